@@ -1,0 +1,83 @@
+"""Engine settings: validated once (pydantic, frozen), "auto" values resolved once into a copy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger("flashrec")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+class EngineConfig(BaseModel):
+    """How to load and run a model. Every CLI flag and server setting ends up here."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    arch: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "fp8", "none"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"] = "auto"
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    kv_cache_tokens: int | None = Field(default=None, gt=1)
+    """Token slots in the KV pool; None sizes it from free memory (CUDA) or 65,536 (CPU)."""
+    mem_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    max_requests: int = Field(default=1024, gt=0)
+    max_context: int | None = Field(default=None, gt=0)
+    enable_fused_rms_fp8: bool = True
+    enable_fused_silu_fp8: bool = True
+    enable_fused_qk_rope_kv: bool = True
+    disabled_fused: tuple[str, ...] = ()
+    """Further fused-path switches turned off by name (plugin paths such as enable_fused_gelu_fp8)."""
+    triton_on_cpu: bool = False
+    """Run Triton kernels on CPU through the interpreter (TRITON_INTERPRET=1); a testing aid."""
+    show_progress: bool = True
+
+    def switch(self, name: str) -> bool:
+        """Value of an `enable_fused_*` switch; unknown plugin switches default to on."""
+        if name in self.disabled_fused:
+            return False
+        return bool(getattr(self, name, True))
+
+
+def resolve_engine_config(cfg: EngineConfig, checkpoint_quantized: bool) -> EngineConfig:
+    """Replace every "auto" by a concrete choice for this machine and checkpoint, and log it."""
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise RuntimeError("--device cuda was requested but torch sees no CUDA device")
+    device = cfg.device if cfg.device != "auto" else ("cuda" if cuda else "cpu")
+    on_gpu = device == "cuda"
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    quant = cfg.quantization
+    if quant == "auto":
+        quant = "fp8" if (checkpoint_quantized or on_gpu) else "none"
+    kv = cfg.kv_cache_dtype
+    if kv == "auto":
+        kv = "fp8_e4m3" if (on_gpu and quant == "fp8") else dtype
+    resolved = cfg.model_copy(
+        update={"device": device, "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv}
+    )
+    logger.info("engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s", device, dtype, quant, kv)
+    return resolved
+
+
+def triton_usable(cfg: EngineConfig) -> tuple[bool, str]:
+    """Whether Triton kernels can run for this config, and why not when they cannot."""
+    if cfg.device == "cpu":
+        if not cfg.triton_on_cpu:
+            return False, "no Triton backend on CPU"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "triton_on_cpu needs TRITON_INTERPRET=1 set before triton is imported"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    return True, ""

@@ -1,0 +1,133 @@
+"""Building a model from a checkpoint: resolve the spec, fused paths, build, load, size the pool."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashrec_core.config import DTYPES, KV_DTYPES, EngineConfig, resolve_engine_config, triton_usable
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import BuildContext
+from flashrec_core.loader import load_weights
+from flashrec_core.registry import Registry, load_hf_config, read_architecture
+from flashrec_core.spec import FusedPath, ModelConfig, ModelSpec
+
+logger = logging.getLogger("flashrec")
+
+CPU_KV_TOKENS = 65_536
+
+
+@dataclass(frozen=True)
+class FusedDecision:
+    path: str
+    enabled: bool
+    reason: str
+
+
+def resolve_fused_paths(
+    spec: ModelSpec, cfg: EngineConfig, fp8_linear: bool, kv_dtype: torch.dtype
+) -> tuple[dict[str, Callable[..., Any]], list[FusedDecision]]:
+    """Decide once, per path: user switch AND spec capability AND kernel available AND static
+    preconditions. Returns the enabled kernels and every decision (for logs and `flashrec models`)."""
+    triton_ok, triton_why = triton_usable(cfg)
+    kernels: dict[str, Callable[..., Any]] = {}
+    decisions = []
+    for path in spec.capabilities:
+        reason = _blocker(path, cfg, fp8_linear, kv_dtype, triton_ok, triton_why)
+        if reason is None:
+            try:
+                kernels[path.name] = path.load_kernel()
+            except (ImportError, AttributeError) as exc:
+                reason = f"kernel {path.kernel} failed to import: {exc}"
+        decisions.append(FusedDecision(path.name, reason is None, reason or "on"))
+        logger.info("fused path %-16s %s", path.name, "on" if reason is None else f"off ({reason})")
+    return kernels, decisions
+
+
+def _blocker(
+    path: FusedPath,
+    cfg: EngineConfig,
+    fp8_linear: bool,
+    kv_dtype: torch.dtype,
+    triton_ok: bool,
+    triton_why: str,
+) -> str | None:
+    if not cfg.switch(path.switch):
+        return f"{path.switch}=False"
+    if "triton" in path.requires and not triton_ok:
+        return triton_why
+    if "fp8_linear" in path.requires and not fp8_linear:
+        return "FP8 linears are off"
+    if "fp8_kv" in path.requires and kv_dtype != torch.float8_e4m3fn:
+        return "the KV pool is not FP8"
+    return None
+
+
+@dataclass
+class LoadedModel:
+    """A built, loaded model with everything that was decided on the way."""
+
+    spec: ModelSpec
+    config: ModelConfig
+    engine_config: EngineConfig
+    model: nn.Module
+    context: BuildContext
+    fused: list[FusedDecision]
+
+
+def load_model(cfg: EngineConfig, registry: Registry | None = None) -> LoadedModel:
+    """Resolve the architecture's plugin, parse config.json, build the model and load weights."""
+    registry = registry or Registry.discover()
+    arch = read_architecture(cfg.model_path, cfg.arch)
+    spec = registry.resolve(arch)
+    hf_config = dict(load_hf_config(cfg.model_path))
+    model_config = spec.parse_config(hf_config)
+    cfg = resolve_engine_config(cfg, checkpoint_quantized=model_config.quantization is not None)
+    ctx, fused = create_build_context(spec, cfg)
+    with torch.device(ctx.device):
+        model = spec.load_model_class()(model_config, ctx)
+    model.eval()
+    report = load_weights(model, spec, model_config, cfg.model_path, show_progress=cfg.show_progress)
+    logger.info(
+        "loaded %s (%d tensors, %.1f MB) in %.2f s",
+        arch, report.num_tensors, report.bytes_read / 1e6, report.seconds,
+    )  # fmt: skip
+    return LoadedModel(spec, model_config, cfg, model, ctx, fused)
+
+
+def create_build_context(
+    spec: ModelSpec, cfg: EngineConfig
+) -> tuple[BuildContext, list[FusedDecision]]:
+    """The BuildContext for a resolved EngineConfig (no "auto" values left)."""
+    device = torch.device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    kv_dtype = KV_DTYPES[cfg.kv_cache_dtype]
+    fp8 = cfg.quantization == "fp8"
+    kernels, decisions = resolve_fused_paths(spec, cfg, fp8, kv_dtype)
+    ctx = BuildContext(device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels)
+    return ctx, decisions
+
+
+def create_kv_pool(loaded: LoadedModel) -> KVPool:
+    """Size the pool: explicit token count, else free memory after weights / bytes per token."""
+    cfg, mc, ctx = loaded.engine_config, loaded.config, loaded.context
+    assert ctx.kv_dtype is not None, "the build context carries the resolved KV dtype"
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, ctx.kv_dtype)
+    tokens = cfg.kv_cache_tokens
+    if tokens is None and ctx.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        tokens = int(free * cfg.mem_fraction) // per_token
+    elif tokens is None:
+        tokens = CPU_KV_TOKENS
+    if tokens < 2:
+        raise RuntimeError(
+            f"KV pool would hold {tokens} tokens ({per_token} bytes each); free GPU memory "
+            "or lower the model size; --kv-cache-tokens sets the pool explicitly"
+        )
+    logger.info("KV pool: %d token slots x %d bytes (%s)", tokens, per_token, ctx.kv_dtype)
+    return KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, tokens, ctx.kv_dtype, ctx.device)

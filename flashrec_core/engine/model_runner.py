@@ -1,0 +1,106 @@
+"""Runs model forwards over the KV pool: the layer between search and the model plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashrec_core.attention import AttentionBackend, create_attention_backend
+from flashrec_core.config import EngineConfig
+from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
+from flashrec_core.kvcache import KVPool, RequestTable, SlotAllocator
+from flashrec_core.layers import ForwardBatch
+from flashrec_core.registry import Registry
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Host-side description of one forward step over several sequences (built in prepare_*).
+
+    Sequence b contributes tokens input_ids[qo_indptr[b]:qo_indptr[b+1]] and attends to the slots
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (its own new slots last).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    qo_indptr: torch.Tensor  # [B + 1]
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [sum kv]
+
+
+class ModelRunner:
+    """Owns the model, its KV pool, slot allocator, request table and attention backend."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.context.device
+        self.dtype = loaded.context.dtype
+        self.kv_pool: KVPool = create_kv_pool(loaded)
+        self.allocator = SlotAllocator(self.kv_pool.num_slots)
+        ecfg = loaded.engine_config
+        max_context = ecfg.max_context or self.config.max_position
+        self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
+        self.attn_backend: AttentionBackend = create_attention_backend(
+            ecfg.attention_backend, self.device
+        )
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, registry: Registry | None = None) -> ModelRunner:
+        return cls(load_model(cfg, registry))
+
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head()
+
+    def lm_head_bias(self) -> torch.Tensor | None:
+        get_bias = getattr(self.model, "lm_head_bias", None)
+        return get_bias() if get_bias is not None else None
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Hidden states [T, H] (final-normed) for every token of the step."""
+        dev = self.device
+        metadata = self.attn_backend.plan(step.qo_indptr, step.kv_indptr, step.kv_indices)
+        batch = ForwardBatch(
+            input_ids=step.input_ids.to(dev, non_blocking=True),
+            positions=step.positions.to(dev, non_blocking=True),
+            out_cache_loc=step.out_cache_loc.to(dev, non_blocking=True),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            attn_metadata=metadata,
+        )
+        return self.model(batch)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (tests and open-vocabulary baselines; GenRec uses the
+        restricted head)."""
+        out = hidden.float() @ self.lm_head().float().t()
+        bias = self.lm_head_bias()
+        return out if bias is None else out + bias.float()
+
+
+def prepare_prefill(
+    prompts: list[list[int]], slots: list[torch.Tensor], prefix_lens: list[int] | None = None
+) -> StepInput:
+    """A prefill step: each prompt's tokens after its cached prefix, attending to all its slots."""
+    prefix_lens = prefix_lens or [0] * len(prompts)
+    ids, pos, loc, qo, kv = [], [], [], [0], [0]
+    for tokens, s, p in zip(prompts, slots, prefix_lens):
+        n = len(tokens)
+        ids.append(torch.tensor(tokens[p:], dtype=torch.int64))
+        pos.append(torch.arange(p, n, dtype=torch.int64))
+        loc.append(s[p:n])
+        qo.append(qo[-1] + n - p)
+        kv.append(kv[-1] + n)
+    return StepInput(
+        input_ids=torch.cat(ids),
+        positions=torch.cat(pos),
+        out_cache_loc=torch.cat(loc),
+        qo_indptr=torch.tensor(qo, dtype=torch.int64),
+        kv_indptr=torch.tensor(kv, dtype=torch.int64),
+        kv_indices=torch.cat([s[: len(t)] for t, s in zip(prompts, slots)]),
+    )

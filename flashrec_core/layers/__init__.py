@@ -1,0 +1,38 @@
+"""Building blocks that model plugins compose (imported by plugins as `flashrec_core.layers`)."""
+
+from flashrec_core.layers.activation import SiluAndMul, silu_and_mul
+from flashrec_core.layers.attention import Attention, split_qkv
+from flashrec_core.layers.batch import ForwardBatch
+from flashrec_core.layers.context import BuildContext
+from flashrec_core.layers.embedding import Embedding
+from flashrec_core.layers.linear import Linear
+from flashrec_core.layers.norm import RMSNorm, rms_norm
+from flashrec_core.layers.quant import (
+    FP8_DTYPE,
+    QuantizedActivation,
+    fp8_linear,
+    quantize_per_token,
+    quantize_weight_per_channel,
+)
+from flashrec_core.layers.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
+
+__all__ = [
+    "FP8_DTYPE",
+    "Attention",
+    "BuildContext",
+    "Embedding",
+    "ForwardBatch",
+    "Linear",
+    "QuantizedActivation",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "apply_rope",
+    "fp8_linear",
+    "quantize_per_token",
+    "quantize_weight_per_channel",
+    "rms_norm",
+    "rope_inv_freq",
+    "silu_and_mul",
+    "split_qkv",
+]

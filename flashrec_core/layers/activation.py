@@ -1,0 +1,34 @@
+"""Gated activations (SiLU * up) with an FP8-quantizing variant for the following GEMM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashrec_core.layers.quant import QuantizedActivation, quantize_per_token
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: SiLU(gate) * up with gate the first half (the gate_up bucket order)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """SiLU(gate) * up; a `QuantizedActivation` when the next GEMM is FP8."""
+
+    def __init__(
+        self, *, quantize_output: bool = False, fused_kernel: Callable[..., Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.quantize_output = quantize_output
+        self.fused_kernel = fused_kernel if quantize_output else None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
+        if self.fused_kernel is not None:
+            return QuantizedActivation(*self.fused_kernel(gate_up))
+        out = silu_and_mul(gate_up)
+        return quantize_per_token(out) if self.quantize_output else out

@@ -1,0 +1,53 @@
+"""RMSNorm with the fused residual add, and its FP8-quantizing variant."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashrec_core.layers.context import BuildContext
+from flashrec_core.layers.quant import QuantizedActivation, quantize_per_token
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in fp32 and scale by the weight, the way HF checkpoints were trained."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """`norm(x, residual)` -> (y, x + residual): the two-stream residual (residual None: (y, x)).
+
+    With `quantize_output` (the consumer is an FP8 GEMM) y is a `QuantizedActivation`; the fused
+    kernel produces it in one pass when the `fused_kernel` is given, else the eager path quantizes.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        ctx: BuildContext,
+        *,
+        quantize_output: bool = False,
+        fused_kernel: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=ctx.dtype, device=ctx.device), False)
+        self.quantize_output = quantize_output
+        self.fused_kernel = fused_kernel if quantize_output else None
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        if self.fused_kernel is not None:
+            data, scale, new_residual = self.fused_kernel(x, self.weight, self.eps, residual)
+            return QuantizedActivation(data, scale), x if new_residual is None else new_residual
+        if residual is not None:
+            x = x + residual
+        out = rms_norm(x, self.weight, self.eps)
+        return (quantize_per_token(out) if self.quantize_output else out), x

@@ -1,0 +1,57 @@
+"""FP8 (e4m3) W8A8 helpers: per-token activation quantization and the scaled GEMM."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class QuantizedActivation(NamedTuple):
+    """An FP8 activation with its per-token scale, produced by a fused norm or activation."""
+
+    data: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+
+
+def quantize_per_token(x: torch.Tensor) -> QuantizedActivation:
+    """Per-token absmax quantization: the eager path when no fused producer ran."""
+    from flashrec_kernels import per_token_quant_fp8_ref
+
+    data, scale = per_token_quant_fp8_ref(x)
+    return QuantizedActivation(data, scale)
+
+
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel absmax quantization of a [out, in] weight (BF16 checkpoint -> FP8)."""
+    w32 = w.float()
+    scale = w32.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def fp8_linear(
+    x: QuantizedActivation,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = (x_q * s_x) @ (w_q * s_w).T + b; `torch._scaled_mm` on CUDA, exact dequant elsewhere."""
+    if weight.is_cuda and out_dtype in (torch.bfloat16, torch.float16):
+        # NOTE: _scaled_mm wants a column-major second operand: weight.t() of a row-major weight.
+        return torch._scaled_mm(
+            x.data,
+            weight.t(),
+            scale_a=x.scale,
+            scale_b=weight_scale.view(1, -1),
+            bias=bias,
+            out_dtype=out_dtype,
+        )
+    y = (x.data.float() * x.scale) @ (weight.float() * weight_scale.view(-1, 1)).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

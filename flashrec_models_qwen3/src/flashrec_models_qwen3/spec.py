@@ -1,0 +1,106 @@
+"""Qwen3's spec: architecture name, config parsing, weight buckets and fused capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flashrec_core.fused import QK_NORM_ROPE_KV, RMS_NORM_FP8, SILU_MUL_FP8
+from flashrec_core.spec import (
+    BaseModelSpec,
+    Bucket,
+    ExampleConfig,
+    ModelConfig,
+    WeightMap,
+    parse_dtype,
+    parse_quantization,
+    parse_rope,
+    require_field,
+)
+
+ARCH = "Qwen3ForCausalLM"
+
+
+class Qwen3Config(ModelConfig):
+    """Qwen3 structure: q/k RMSNorm per head, optional attention bias, SwiGLU MLP."""
+
+    qk_norm: bool = True
+    attention_bias: bool = False
+
+
+def parse_qwen3_config(hf: Mapping[str, Any]) -> Qwen3Config:
+    def get(key: str) -> Any:
+        return require_field(hf, key, ARCH)
+
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    return Qwen3Config(
+        architecture=ARCH,
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        num_layers=get("num_hidden_layers"),
+        num_q_heads=heads,
+        num_kv_heads=get("num_key_value_heads"),
+        head_dim=head_dim,
+        intermediate_size=get("intermediate_size"),
+        max_position=get("max_position_embeddings"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope=parse_rope(hf, head_dim, ARCH),
+        norm_eps=get("rms_norm_eps"),
+        checkpoint_dtype=parse_dtype(hf),
+        quantization=parse_quantization(hf, ARCH),
+        attention_bias=bool(hf.get("attention_bias", False)),
+    )
+
+
+def _tiny(**overrides: Any) -> dict[str, Any]:
+    base = {
+        "architectures": [ARCH],
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    return base | overrides
+
+
+spec = BaseModelSpec(
+    name="qwen3",
+    architectures=(ARCH,),
+    config_parser=parse_qwen3_config,
+    weight_map=WeightMap(
+        buckets=(
+            Bucket("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            Bucket("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ),
+        renames=(("lm_head.", "output_head."),),
+        ignore=(r".*rotary_emb\.inv_freq",),
+        tied=(("output_head.weight", "model.embed_tokens.weight"),),
+    ),
+    capabilities=(RMS_NORM_FP8, SILU_MUL_FP8, QK_NORM_ROPE_KV),
+    model_class="flashrec_models_qwen3.modeling:Qwen3ForCausalLM",
+    hf_config_class="transformers:Qwen3Config",
+    examples=(
+        ExampleConfig("tied-gqa", _tiny()),
+        ExampleConfig("untied-mha", _tiny(tie_word_embeddings=False, num_key_value_heads=4)),
+        ExampleConfig(
+            "yarn-bias",
+            _tiny(
+                attention_bias=True,
+                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 256},
+            ),
+        ),  # fmt: skip
+    ),
+)

@@ -29,7 +29,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, (q_size, kv_size, kv_size), bias=config.attention_bias, ctx=ctx
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=False, ctx=ctx)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias, ctx=ctx)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, ctx) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, ctx) if config.qk_norm else None
         scale = config.head_dim**-0.5

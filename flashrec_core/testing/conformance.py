@@ -1,0 +1,219 @@
+"""The conformance suite every model plugin runs: subclass `ModelConformance`, name the spec.
+
+    class TestQwen3(ModelConformance):
+        spec = flashrec_models_qwen3.spec
+
+Tests parametrized by `example` run once per tiny example config of the spec. Checkpoints are
+written by `transformers` (random weights, safetensors) at test time; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from flashrec_core.engine import create_build_context
+from flashrec_core.layers import FP8_DTYPE
+from flashrec_core.loader import WeightLoader
+from flashrec_core.spec import CONTRACT_VERSION, ExampleConfig, FusedPath, ModelSpec
+from flashrec_core.testing.fp8_checkpoint import write_fp8_checkpoint
+from flashrec_core.testing.oracle import (
+    assert_close_to_reference,
+    create_runner,
+    engine_decode_logits,
+    engine_prefill_logits,
+    hf_logits,
+    hf_model,
+)
+
+PARITY_REL = 1e-4
+"""fp32 engine vs fp32 transformers: only summation order differs (~1e-6 relative measured)."""
+FP8_REL_L2 = 0.15
+"""FP8 W8A8 vs fp32 logits, relative L2 error. e4m3 keeps 3 mantissa bits (relative rounding
+error <= 2^-4 per operand, ~2^-4/sqrt(3) RMS); weights and activations both rounded give ~5% RMS
+per GEMM, which partially averages out; 15% leaves room for 2 layers of compounding."""
+
+PROMPTS = ([5, 9, 17, 23, 8, 41, 30, 12, 7], [44, 3], [11, 12, 13, 14, 15], [20])
+CONTINUATIONS = ([6, 18, 33, 2, 9], [10, 10, 4, 21, 37], [50, 1, 8, 8, 19], [3, 4, 5, 6, 7])
+
+
+class ModelConformance:
+    """Shared checks for one ModelSpec; subclasses set `spec`."""
+
+    spec: ClassVar[ModelSpec]
+
+    def test_spec_is_valid(self) -> None:
+        spec = self.spec
+        assert isinstance(spec, ModelSpec), f"{spec!r} does not satisfy the ModelSpec protocol"
+        assert spec.contract_version == CONTRACT_VERSION
+        assert spec.architectures and all(a.endswith("ForCausalLM") for a in spec.architectures)
+        assert len(spec.examples) >= 2, "give at least two tiny example configs (tied, untied)"
+        assert any(e.hf_config.get("tie_word_embeddings") for e in spec.examples)
+        assert any(not e.hf_config.get("tie_word_embeddings") for e in spec.examples)
+        names = [c.name for c in spec.capabilities]
+        assert len(names) == len(set(names)), f"duplicate capabilities: {names}"
+        assert all(isinstance(c, FusedPath) for c in spec.capabilities)
+        for example in spec.examples:
+            config = spec.parse_config(example.hf_config)
+            assert config.architecture in spec.architectures
+
+    def test_spec_buckets_match_model(self, example: ExampleConfig) -> None:
+        model, _ = _build_empty(self.spec, example, fp8=False)
+        modules = dict(model.named_modules())
+        for bucket in self.spec.weight_map.buckets:
+            fused = [m for n, m in modules.items() if n.endswith("." + bucket.param)]
+            assert fused, f"no module ends with bucket param '{bucket.param}'"
+            for m in fused:
+                assert len(m.output_sizes) == len(bucket.sources), (
+                    f"{bucket.param}: {len(m.output_sizes)} output_sizes vs {bucket.sources}"
+                )
+
+    def test_strict_load_matches_checkpoint(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        path, hf = tiny_checkpoint(self.spec, example)
+        runner = create_runner(path)
+        state = hf.state_dict()
+        params = dict(runner.model.named_parameters())
+        loader = WeightLoader(runner.model, self.spec, runner.config)
+        for name, tensor in state.items():
+            if loader.is_ignored(name):
+                continue
+            target = loader.target(name)
+            if target.param in loader.tied:
+                continue
+            param = params[target.param]
+            module = dict(runner.model.named_modules())[target.module]
+            sizes = getattr(module, "output_sizes", (param.shape[0],))
+            start = sum(sizes[: target.shard]) if target.num_shards > 1 else 0
+            rows = param[start : start + tensor.shape[0]]
+            assert torch.equal(rows, tensor.to(rows.dtype)), f"{name} -> {target.param} differs"
+
+    def test_lm_head_contract(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        path, hf = tiny_checkpoint(self.spec, example)
+        runner = create_runner(path)
+        head = runner.model.lm_head()
+        config = runner.config
+        assert head.shape == (config.vocab_size, config.hidden_size)
+        assert runner.model.lm_head().data_ptr() == head.data_ptr(), "lm_head() must be stable"
+        assert torch.equal(head, hf.get_output_embeddings().weight.to(head.dtype))
+        embed = hf.get_input_embeddings().weight
+        if config.tie_word_embeddings:
+            embeds = [p for n, p in runner.model.named_parameters() if p.shape == head.shape]
+            assert any(p.data_ptr() == head.data_ptr() for p in embeds)
+            assert torch.equal(head, embed.to(head.dtype))
+
+    def test_prefill_logits_match_transformers(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        path, hf = tiny_checkpoint(self.spec, example)
+        runner = create_runner(path)
+        got = engine_prefill_logits(runner, PROMPTS)
+        for i, (g, r) in enumerate(zip(got, hf_logits(hf, PROMPTS))):
+            assert_close_to_reference(g, r, PARITY_REL, f"prefill logits of prompt {i}")
+
+    def test_decode_logits_match_transformers(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        path, hf = tiny_checkpoint(self.spec, example)
+        runner = create_runner(path)
+        got = engine_decode_logits(runner, PROMPTS, CONTINUATIONS)
+        full = [list(p) + list(c) for p, c in zip(PROMPTS, CONTINUATIONS)]
+        for i, (g, r) in enumerate(zip(got, hf_logits(hf, full))):
+            steps = len(CONTINUATIONS[i])
+            assert_close_to_reference(g, r[-steps:], PARITY_REL, f"decode logits of sequence {i}")
+        assert runner.allocator.num_free == runner.allocator.num_slots - 1, "slots leaked"
+
+    def test_fp8_error_is_bounded(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        path, hf = tiny_checkpoint(self.spec, example)
+        runner = create_runner(path, quantization="fp8")
+        assert any(p.dtype == FP8_DTYPE for p in runner.model.parameters()), "no FP8 weights"
+        for g, r in zip(engine_prefill_logits(runner, PROMPTS), hf_logits(hf, PROMPTS)):
+            rel = ((g - r).norm() / r.norm()).item()
+            assert rel < FP8_REL_L2, f"FP8 logits relative L2 error {rel:.3f} >= {FP8_REL_L2}"
+
+    def test_fp8_checkpoint_loads_like_online_quantization(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
+        path, _ = tiny_checkpoint(self.spec, example)
+        online = create_runner(path, quantization="fp8")
+        fp8_dir = tmp_path / "fp8"
+        quantized = write_fp8_checkpoint(Path(path), fp8_dir, self.spec, online.config, online.model)
+        assert quantized, "the spec maps no checkpoint tensor onto a Linear"
+        stored = create_runner(fp8_dir)  # quantization_config alone turns FP8 on
+        assert stored.config.quantization is not None
+        online_params = dict(online.model.named_parameters())
+        for name, p in stored.model.named_parameters():
+            assert p.dtype == online_params[name].dtype, f"{name}: dtype differs"
+            assert torch.equal(p.float(), online_params[name].float()), f"{name} differs"
+
+    def test_fp8_per_tensor_checkpoint_keeps_its_scales(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
+        from safetensors.torch import load_file
+
+        path, _ = tiny_checkpoint(self.spec, example)
+        online = create_runner(path, quantization="fp8")
+        fp8_dir = tmp_path / "fp8t"
+        write_fp8_checkpoint(
+            Path(path), fp8_dir, self.spec, online.config, online.model, per_tensor=True
+        )
+        stored = create_runner(fp8_dir)
+        tensors = load_file(str(fp8_dir / "model.safetensors"))
+        loader = WeightLoader(stored.model, self.spec, stored.config)
+        modules = dict(stored.model.named_modules())
+        for name, t in tensors.items():
+            if t.dtype != FP8_DTYPE:
+                continue
+            target = loader.target(name)
+            module = modules[target.module]
+            start = sum(module.output_sizes[: target.shard])
+            rows = slice(start, start + t.shape[0])
+            scale = tensors[name.removesuffix(".weight") + ".weight_scale"]
+            assert torch.equal(module.weight[rows].view(torch.uint8), t.view(torch.uint8)), name
+            assert torch.all(module.weight_scale[rows] == scale.float()), f"{name}: scale"
+
+    def test_fused_paths_equal_eager(self, example: ExampleConfig, tiny_checkpoint) -> None:
+        """Each enabled fused path (Triton, interpreted on CPU) == its eager fallback."""
+        if not self.spec.capabilities:
+            pytest.skip("the spec declares no fused paths")
+        pytest.importorskip("triton")
+        path, _ = tiny_checkpoint(self.spec, example)
+        script = textwrap.dedent(_FUSED_SCRIPT).format(path=str(path), prompts=list(PROMPTS[:2]))
+        env = {**os.environ, "TRITON_INTERPRET": "1"} if not torch.cuda.is_available() else None
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_FUSED_SCRIPT = """
+import torch
+from flashrec_core.testing.oracle import create_runner, engine_prefill_logits, assert_close_to_reference
+cuda = torch.cuda.is_available()
+common = dict(device="cuda" if cuda else "cpu", triton_on_cpu=not cuda, quantization="fp8")
+fused = create_runner({path!r}, **common)
+assert fused.loaded.context.fused, "no fused path resolved on; expected at least one"
+eager = create_runner({path!r}, **common, enable_fused_rms_fp8=False, enable_fused_silu_fp8=False,
+                      enable_fused_qk_rope_kv=False,
+                      disabled_fused=tuple(c.switch for c in fused.loaded.spec.capabilities))
+assert not eager.loaded.context.fused
+prompts = {prompts}
+for g, r in zip(engine_prefill_logits(fused, prompts), engine_prefill_logits(eager, prompts)):
+    # same math, same FP8 rounding points; only fp32 summation order differs
+    assert_close_to_reference(g, r, 1e-3, "fused vs eager logits")
+print("fused paths:", sorted(fused.loaded.context.fused))
+"""
+
+
+def _build_empty(spec: ModelSpec, example: ExampleConfig, fp8: bool) -> tuple[Any, Any]:
+    from flashrec_core.config import EngineConfig
+
+    config = spec.parse_config(example.hf_config)
+    cfg = EngineConfig(
+        model_path="<none>", device="cpu", dtype="float32", quantization="fp8" if fp8 else "none",
+        kv_cache_dtype="float32",
+    )  # fmt: skip
+    ctx, _ = create_build_context(spec, cfg)
+    return spec.load_model_class()(config, ctx), config

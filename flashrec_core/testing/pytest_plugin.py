@@ -1,0 +1,51 @@
+"""pytest plugin (entry point `pytest11`): fixtures and parametrization for the conformance suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize `example` over the class's spec examples."""
+    spec = getattr(metafunc.cls, "spec", None)
+    if spec is not None and "example" in metafunc.fixturenames:
+        metafunc.parametrize("example", spec.examples, ids=[e.name for e in spec.examples])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: (spec, example, level_sizes=(16,16,16)) -> (checkpoint dir, fp32 HF model).
+
+    Cached per session: each example checkpoint is written once by transformers."""
+    from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+
+    cache: dict[Any, tuple[Path, Any]] = {}
+
+    def make(spec: Any, example: Any, level_sizes: tuple[int, ...] = (16, 16, 16)):
+        key = (spec.name, example.name, level_sizes)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{spec.name}-{example.name}")
+            hf = write_tiny_checkpoint(path, example.hf_config, level_sizes=level_sizes)
+            cache[key] = (path, hf)
+        return cache[key]
+
+    return make

@@ -81,3 +81,20 @@ def triton_usable(cfg: EngineConfig) -> tuple[bool, str]:
     except ImportError:
         return False, "triton is not installed"
     return True, ""
+
+
+class SearchConfig(BaseModel):
+    """How beam search scores and constrains SIDs (shared by every request of an engine)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    catalog_path: str | None = None
+    sid_normalization: Literal["level", "sid"] = "level"
+    length_penalty: float = 1.0
+    trie_kind: Literal["auto", "dense", "csr"] = "auto"
+    sid_level_sizes: tuple[int, ...] | None = None
+    """Explicit codebook sizes; must agree with the tokenizer's SID tokens."""
+    sid_depth: int | None = None
+    """Use the first `sid_depth` codebook levels; defaults to the catalog's depth."""
+    append_sid_begin: bool = True
+    """Append <|sid_begin|> to the prompt when the tokenizer has it."""

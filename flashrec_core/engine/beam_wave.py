@@ -1,0 +1,169 @@
+"""Runs one wave of requests through prefill and `depth` beam-search steps.
+
+KV layout of a wave: each request's prompt occupies its own slots (a row of the request table);
+beams share them by index. Every beam row r owns one decode slot per step, `decode_slots[r, s]`;
+after each selection the history of slots is gathered by parent, so a beam's KV is
+prompt slots + the slots its ancestors wrote (no KV is ever copied). All slots are freed when
+the wave ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.search.beam import (
+    BeamLayout,
+    Selection,
+    candidate_scores,
+    gumbel_noise,
+    select_beams,
+)
+from flashrec_core.search.lm_head import RestrictedLMHead
+from flashrec_core.search.sid_layout import SidLayout
+from flashrec_core.search.trie import Trie
+
+
+@dataclass(frozen=True)
+class WaveOutput:
+    """Final beams of every request, rows laid out as in `layout` (best first per request)."""
+
+    layout: BeamLayout
+    codes: torch.Tensor  # [R, depth]
+    scores: torch.Tensor  # [R] cumulative log-probs, -inf for dead beams
+    nodes: torch.Tensor  # [R] catalog rows (meaningless without a catalog)
+
+
+class BeamWave:
+    """Beam search over a batch of requests sharing one forward per step."""
+
+    def __init__(
+        self, runner: ModelRunner, head: RestrictedLMHead, trie: Trie, layout: SidLayout
+    ) -> None:
+        self.runner = runner
+        self.head = head
+        self.trie = trie
+        self.sid = layout
+
+    def run(self, requests: list[GenerationRequest]) -> WaveOutput:
+        runner, device = self.runner, self.runner.device
+        allocator, table = runner.allocator, runner.request_table
+        prompt_slots: list[torch.Tensor] = []
+        table_rows: list[int] = []
+        decode_slots = None
+        try:
+            for req in requests:
+                prompt_slots.append(allocator.alloc(len(req.prompt_ids)))
+                table_rows.append(table.add(prompt_slots[-1]))
+            num_rows = sum(r.n for r in requests)
+            steps = self.trie.depth - 1
+            decode_slots = allocator.alloc(num_rows * steps).view(num_rows, steps)
+            return self._search(requests, table_rows, decode_slots.to(device))
+        finally:
+            for s in prompt_slots:
+                allocator.free(s)
+            for row in table_rows:
+                table.remove(row)
+            if decode_slots is not None:
+                allocator.free(decode_slots)
+
+    def _search(
+        self, requests: list[GenerationRequest], table_rows: list[int], decode_slots: torch.Tensor
+    ) -> WaveOutput:
+        device = self.runner.device
+        prompts = [list(r.prompt_ids) for r in requests]
+        noise = _NoiseSource(requests, device)
+        first = BeamLayout.create([1] * len(requests), device)
+        beams = BeamLayout.create([r.n for r in requests], device)
+        slots = [self.runner.request_table.get(row) for row in table_rows]
+        step = prepare_prefill(prompts, [s.cpu() for s in slots])
+        hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
+        sel = self._select(hidden, 0, torch.zeros(len(requests), device=device),
+                           torch.zeros(len(requests), dtype=torch.int64, device=device),
+                           first, beams, noise)  # fmt: skip
+        codes, history = sel.code[:, None], decode_slots[:, :0]
+        prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
+        for level in range(1, self.trie.depth):
+            own = decode_slots[:, level - 1]
+            step = prepare_beam_decode(
+                tokens=self.sid.level_starts[level - 1] + codes[:, -1],
+                positions=prompt_lens[beams.row_request] + level - 1,
+                prompt_slots=slots, row_request=beams.row_request, history=history, own=own,
+            )  # fmt: skip
+            hidden = self.runner.forward(step)
+            sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
+            history = torch.cat([history, own[:, None]], dim=1)[sel.parent]
+            codes = torch.cat([codes[sel.parent], sel.code[:, None]], dim=1)
+        return WaveOutput(beams, codes, sel.score, sel.node)
+
+    def _select(
+        self,
+        hidden: torch.Tensor,
+        level: int,
+        parent_score: torch.Tensor,
+        nodes: torch.Tensor,
+        parents: BeamLayout,
+        out: BeamLayout,
+        noise: _NoiseSource,
+    ) -> Selection:
+        log_probs = self.head.log_probs(hidden, level)
+        children = self.trie.children(level, nodes)
+        scores = candidate_scores(parent_score.float(), log_probs, children)
+        return select_beams(scores, children, parents, out, noise.draw(parents, scores.shape[1]))
+
+
+class _NoiseSource:
+    """Per-request seeded generators for temperature > 0; None when every request is greedy."""
+
+    def __init__(self, requests: list[GenerationRequest], device: torch.device) -> None:
+        self.temperatures = [r.temperature for r in requests]
+        self.device = device
+        self.generators = [
+            torch.Generator().manual_seed(r.seed if r.seed is not None else _fresh_seed())
+            if r.temperature > 0
+            else None
+            for r in requests
+        ]
+
+    def draw(self, parents: BeamLayout, width: int) -> torch.Tensor | None:
+        if all(t <= 0 for t in self.temperatures):
+            return None
+        rows = parents.widths.tolist()
+        return gumbel_noise(rows, width, self.generators, self.temperatures, self.device)
+
+
+def _fresh_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def prepare_beam_decode(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    prompt_slots: list[torch.Tensor],
+    row_request: torch.Tensor,
+    history: torch.Tensor,
+    own: torch.Tensor,
+) -> StepInput:
+    """A decode step: one token per beam row, attending to its request's prompt slots, the
+    slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R])."""
+    req = row_request.cpu()
+    prompt_lens = torch.tensor([len(s) for s in prompt_slots])
+    kv_lens = prompt_lens[req] + history.shape[1] + 1
+    kv_indptr = torch.zeros(len(req) + 1, dtype=torch.int64)
+    kv_indptr[1:] = torch.cumsum(kv_lens, 0)
+    own_hist = torch.cat([history, own[:, None]], dim=1).cpu()
+    prompts_cpu = [s.cpu() for s in prompt_slots]
+    kv_indices = torch.cat(
+        [torch.cat([prompts_cpu[r], own_hist[i]]) for i, r in enumerate(req.tolist())]
+    )
+    return StepInput(
+        input_ids=tokens.cpu(),
+        positions=positions.cpu(),
+        out_cache_loc=own.cpu(),
+        qo_indptr=torch.arange(len(req) + 1, dtype=torch.int64),
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+    )

@@ -1,0 +1,127 @@
+"""One step of exact constrained beam search, as pure tensor ops (no host sync).
+
+Rows are beams of several requests laid out back to back: request r owns rows
+[row_offset[r], row_offset[r] + width[r]). Each step scores every valid trie child of every row
+(parent score + step log-prob; invalid children are -inf *before* selection), then takes the
+global top-width[r] of each request. Ties break deterministically: lower parent row, then lower
+code. With temperature > 0 the selection key gets Gumbel noise (sampling without replacement per
+step) while the reported score stays the true cumulative log-prob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashrec_core.search.trie import TrieChildren
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class BeamLayout:
+    """Static shape of a wave: which request each row belongs to. Built once per wave."""
+
+    widths: torch.Tensor  # [B] beams per request
+    row_request: torch.Tensor  # [R] request of each row
+    row_rank: torch.Tensor  # [R] beam index within its request
+    max_width: int
+
+    @classmethod
+    def create(cls, widths: list[int], device: torch.device) -> BeamLayout:
+        w = torch.tensor(widths, dtype=torch.int64)
+        row_request = torch.repeat_interleave(torch.arange(len(widths)), w)
+        offsets = torch.cumsum(w, 0) - w
+        row_rank = torch.arange(int(w.sum())) - offsets[row_request]
+        return cls(w.to(device), row_request.to(device), row_rank.to(device), max(widths))
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_request.shape[0]
+
+    @property
+    def row_offsets(self) -> torch.Tensor:
+        return torch.cumsum(self.widths, 0) - self.widths
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The new beams, one per row: which parent row they extend, with which code."""
+
+    parent: torch.Tensor  # [R] parent row (global row index)
+    code: torch.Tensor  # [R] code chosen at this level
+    node: torch.Tensor  # [R] trie node at the next level (catalog row after the last level)
+    score: torch.Tensor  # [R] cumulative log-prob (-inf: no valid beam for this row)
+
+
+def candidate_scores(
+    parent_score: torch.Tensor, log_probs: torch.Tensor, children: TrieChildren
+) -> torch.Tensor:
+    """[R, W] cumulative scores of every child slot; invalid children are -inf."""
+    step = log_probs.gather(1, children.codes)
+    step = step.masked_fill(~children.valid, NEG_INF)
+    return parent_score[:, None] + step
+
+
+def select_beams(
+    scores: torch.Tensor,
+    children: TrieChildren,
+    parents: BeamLayout,
+    out: BeamLayout,
+    noise: torch.Tensor | None = None,
+) -> Selection:
+    """Global top-width of each request over its parent rows' candidates.
+
+    `scores` [R_in, W] is laid out by `parents` (one row per request at the first step, the
+    beams afterwards); the result has one row per beam of `out`. A request with fewer valid
+    candidates than its width gets dead beams (score -inf) pointing at its first parent row.
+    """
+    num_req, width = out.widths.shape[0], scores.shape[1]
+    keys = scores if noise is None else scores + noise
+    # Pre-select per row: a request's top-n takes at most n children from one row.
+    k_row = min(width, out.max_width)
+    row_keys, row_pos = _stable_topk(keys, k_row)  # [R_in, k_row]
+    # [B, P * k_row] candidates per request, at least max_width wide (short ones pad -inf)
+    cols = max(parents.max_width * k_row, out.max_width)
+    grid = keys.new_full((num_req, cols), NEG_INF)
+    flat_pos = parents.row_rank[:, None] * k_row + torch.arange(k_row, device=keys.device)
+    grid[parents.row_request[:, None], flat_pos] = row_keys
+    top_keys, flat = _stable_topk(grid, out.max_width)  # [B, max_width]
+    # Output row (r, j) takes request r's j-th best candidate.
+    key = top_keys[out.row_request, out.row_rank]
+    flat_row = flat[out.row_request, out.row_rank]
+    dead = key == NEG_INF
+    parent_local = torch.where(dead, 0, flat_row // k_row)
+    parent = parents.row_offsets[out.row_request] + parent_local
+    pos = torch.where(dead, 0, row_pos[parent, flat_row % k_row])
+    score = scores[parent, pos].masked_fill(dead, NEG_INF)
+    return Selection(parent, children.codes[parent, pos], children.child[parent, pos], score)
+
+
+def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim; equal values keep index order (deterministic tie-break)."""
+    values, index = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], index[..., :k]
+
+
+def gumbel_noise(
+    rows_per_request: list[int],
+    width: int,
+    generators: list[torch.Generator | None],
+    temperatures: list[float],
+    device: torch.device,
+) -> torch.Tensor:
+    """Selection noise [R, W]: T_r * Gumbel(0,1) from request r's own seeded generator.
+
+    Keys are score + T * G, which ranks like score / T + G but keeps scores in log-prob units.
+    Requests at temperature 0 get zeros (deterministic top-k).
+    """
+    parts = []
+    for rows, gen, temp in zip(rows_per_request, generators, temperatures):
+        if temp <= 0 or gen is None:
+            parts.append(torch.zeros((rows, width), dtype=torch.float64))
+            continue
+        u = torch.rand((rows, width), generator=gen, dtype=torch.float64)
+        parts.append(-torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16))) * temp)
+    return torch.cat(parts).to(device=device, dtype=torch.float32)

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashrec_core.config import DTYPES, KV_DTYPES, EngineConfig, resolve_engine_config, triton_usable
+from flashrec_core.config import (
+    DTYPES,
+    KV_DTYPES,
+    EngineConfig,
+    resolve_engine_config,
+    triton_usable,
+)
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import BuildContext
 from flashrec_core.loader import load_weights

@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
-from flashrec_core.layers.quant import FP8_DTYPE, QuantizedActivation, fp8_linear, quantize_per_token
+from flashrec_core.layers.quant import (
+    FP8_DTYPE,
+    QuantizedActivation,
+    fp8_linear,
+    quantize_per_token,
+)
 
 
 class Linear(nn.Module):

@@ -19,8 +19,8 @@ from flashrec_core.layers.norm import rms_norm
 from flashrec_core.spec import RopeConfig
 
 if TYPE_CHECKING:
-    from flashrec_core.layers.norm import RMSNorm
     from flashrec_core.layers.batch import ForwardBatch
+    from flashrec_core.layers.norm import RMSNorm
 
 
 def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:

@@ -171,7 +171,7 @@ class WeightLoader:
 
     def _check_complete(self, ckpt: Checkpoint) -> None:
         missing = []
-        for pname, param in self.params.items():
+        for pname in self.params:
             if pname in self.tied or pname.endswith(".weight_scale"):
                 continue
             module_name, _, kind = pname.rpartition(".")

@@ -23,6 +23,7 @@ from flashrec_core.engine import create_build_context
 from flashrec_core.layers import FP8_DTYPE
 from flashrec_core.loader import WeightLoader
 from flashrec_core.spec import CONTRACT_VERSION, ExampleConfig, FusedPath, ModelSpec
+from flashrec_core.testing.beam_conformance import BeamSearchConformance
 from flashrec_core.testing.fp8_checkpoint import write_fp8_checkpoint
 from flashrec_core.testing.oracle import (
     assert_close_to_reference,
@@ -30,7 +31,6 @@ from flashrec_core.testing.oracle import (
     engine_decode_logits,
     engine_prefill_logits,
     hf_logits,
-    hf_model,
 )
 
 PARITY_REL = 1e-4
@@ -44,8 +44,8 @@ PROMPTS = ([5, 9, 17, 23, 8, 41, 30, 12, 7], [44, 3], [11, 12, 13, 14, 15], [20]
 CONTINUATIONS = ([6, 18, 33, 2, 9], [10, 10, 4, 21, 37], [50, 1, 8, 8, 19], [3, 4, 5, 6, 7])
 
 
-class ModelConformance:
-    """Shared checks for one ModelSpec; subclasses set `spec`."""
+class ModelConformance(BeamSearchConformance):
+    """Shared checks for one ModelSpec; subclasses set `spec`. Beam-search checks are inherited."""
 
     spec: ClassVar[ModelSpec]
 

@@ -126,3 +126,25 @@ def assert_same_ranking(
         assert abs(g_score - ref_scores.get(g_codes, r_score)) <= atol_logprob, (
             f"rank {i}: log-prob {g_score:.6f} vs {ref_scores.get(g_codes, r_score):.6f}"
         )
+
+
+@torch.inference_mode()
+def teacher_forced_logprob(
+    model: Any, prompt_ids: Sequence[int], layout: SidLayout, codes: Sequence[int],
+    normalization: str = "level",
+) -> float:  # fmt: skip
+    """Exact cumulative log-prob of one SID after a prompt (one HF forward, no search)."""
+    tokens = [layout.token_id(d, c) for d, c in enumerate(codes)]
+    logits = model(torch.tensor([list(prompt_ids) + tokens])).logits[0].float()
+    total = 0.0
+    for d, code in enumerate(codes):
+        row = logits[len(prompt_ids) - 1 + d]
+        start, size = layout.level_starts[d], layout.level_sizes[d]
+        if normalization == "level":
+            lp = torch.log_softmax(row[start : start + size], dim=-1)[code]
+        else:
+            lp = torch.log_softmax(row[layout.sid_start : layout.sid_end], dim=-1)[
+                start - layout.sid_start + code
+            ]
+        total += float(lp)
+    return total

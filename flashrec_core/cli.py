@@ -1,0 +1,206 @@
+"""`flashrec` command line: models, generate, demo, catalog convert.
+
+Heavy imports (torch, transformers) happen inside the commands that need them, so
+`flashrec models` stays fast and works without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, LookupError, FileNotFoundError, RuntimeError) as exc:
+        print(f"flashrec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashrec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="list installed model plugins")
+    models.add_argument("--json", action="store_true", help="print a JSON list")
+    models.set_defaults(func=cmd_models)
+
+    gen = sub.add_parser("generate", help="recommend items for one prompt (offline)")
+    add_engine_args(gen)
+    add_search_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (wrapped in the chat template if any)")
+    prompt.add_argument("--messages-json", help="file with a JSON list of {role, content}")
+    gen.add_argument("-n", type=int, default=10, help="beam width = number of ranked items")
+    gen.add_argument("--max-tokens", type=int, default=None, help="must be >= the SID depth")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
+    demo.add_argument("out", help="directory to create")
+    demo.add_argument("--arch", default=None, help="architecture (default: first installed)")
+    demo.add_argument("--items", type=int, default=1000, help="catalog size")
+    demo.add_argument("--level-sizes", default="32,32,32", help="codebook sizes per level")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo)
+
+    catalog = sub.add_parser("catalog", help="catalog tools")
+    csub = catalog.add_subparsers(dest="catalog_command", required=True)
+    conv = csub.add_parser("convert", help="RecIF packed-integer JSON -> 'c1,c2,c3' JSON")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--level-sizes", required=True, help="e.g. 8192,8192,8192")
+    conv.set_defaults(func=cmd_catalog_convert)
+    return parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every entry point that loads a model (generate, bench, serve)."""
+    p.add_argument("--model-path", required=True, help="checkpoint directory")
+    p.add_argument("--arch", default=None, help="override config.json's architectures")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    p.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto")
+    p.add_argument(
+        "--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "fp8_e4m3"],
+        default="auto",
+    )  # fmt: skip
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
+    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument(
+        "--disable-fused", action="append", default=[], metavar="SWITCH",
+        help="turn a fused path off, e.g. enable_fused_rms_fp8 (repeatable)",
+    )  # fmt: skip
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine decisions")
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--catalog", default=None, help="catalog file (.json/.csv/.tsv)")
+    p.add_argument("--sid-normalization", choices=["level", "sid"], default="level")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--sid-level-sizes", default=None, help="explicit codebook sizes, e.g. 256,256,256")
+    p.add_argument("--sid-depth", type=int, default=None)
+    p.add_argument("--trie", choices=["auto", "dense", "csr"], default="auto")
+
+
+def _int_list(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from flashrec_core.config import EngineConfig
+
+    switches = {s: False for s in args.disable_fused if s.startswith("enable_fused_")}
+    known = {k: v for k, v in switches.items() if k in EngineConfig.model_fields}
+    return EngineConfig(
+        model_path=args.model_path, arch=args.arch, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
+        mem_fraction=args.mem_fraction, disabled_fused=tuple(args.disable_fused), **known,
+    )  # fmt: skip
+
+
+def search_config_from_args(args: argparse.Namespace) -> Any:
+    from flashrec_core.config import SearchConfig
+
+    return SearchConfig(
+        catalog_path=args.catalog, sid_normalization=args.sid_normalization,
+        length_penalty=args.length_penalty, trie_kind=args.trie,
+        sid_level_sizes=_int_list(args.sid_level_sizes), sid_depth=args.sid_depth,
+    )  # fmt: skip
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from flashrec_core.registry import Registry
+
+    registry = Registry.discover()
+    if args.json:
+        print(registry.as_json())
+        return 0
+    if not registry.plugins:
+        print("no model plugins installed (pip install flashrec-models-<family>)")
+    for p in registry.plugins:
+        caps = ", ".join(c.name for c in p.spec.capabilities) if p.spec else "-"
+        print(f"{p.name} ({p.distribution} {p.version}) [{p.status}]")
+        print(f"  architectures: {', '.join(p.architectures)}")
+        print(f"  fused paths:   {caps}")
+        if p.error is not None:
+            print(f"  error:         {type(p.error).__name__}: {p.error}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from flashrec_core.engine.engine import Engine
+
+    messages = _read_messages(args.messages_json) if args.messages_json else None
+    engine = Engine.from_config(engine_config_from_args(args), search_config_from_args(args))
+    depth = engine.trie.depth
+    if args.max_tokens is not None and args.max_tokens < depth:
+        raise ValueError(f"--max-tokens {args.max_tokens} is shorter than the SID depth {depth}")
+    req = engine.make_request(args.prompt, messages, args.n, args.temperature, args.seed)
+    [result] = engine.generate([req])
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0
+    for c in result.choices:
+        items = ", ".join(c.items) if c.items else "-"
+        print(f"{c.index + 1:>4}. {c.text}  items: {items}  logprob {c.logprob:.4f}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _read_messages(path: str) -> list[dict[str, str]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--messages-json {path}: {exc}") from exc
+    if not isinstance(data, list) or not all(
+        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in data
+    ):
+        raise ValueError(f"--messages-json {path}: expected a list of {{role, content}} objects")
+    return data
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flashrec_core.demo import write_demo
+
+    level_sizes = _int_list(args.level_sizes)
+    assert level_sizes is not None, "argparse supplies a default"
+    path = write_demo(Path(args.out), args.arch, level_sizes, args.items, args.seed)
+    print(f"wrote {path} (config.json, model.safetensors, tokenizer, catalog.json)")
+    return 0
+
+
+def cmd_catalog_convert(args: argparse.Namespace) -> int:
+    from flashrec_core.search.catalog import convert_packed_catalog
+
+    level_sizes = _int_list(args.level_sizes)
+    assert level_sizes is not None, "--level-sizes is required"
+    catalog = convert_packed_catalog(args.src, args.dst, level_sizes)
+    print(f"wrote {args.dst}: {len(catalog)} SIDs, {catalog.num_items} items")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

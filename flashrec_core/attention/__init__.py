@@ -15,7 +15,7 @@ def create_attention_backend(name: str, device: torch.device, **kwargs: object) 
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
     if name == "torch":
-        return TorchAttentionBackend(device)
+        return TorchAttentionBackend(device, **kwargs)
     if name == "flashinfer":
         from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 

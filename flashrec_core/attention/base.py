@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 
@@ -20,10 +21,9 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def plan(
-        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-    ) -> Any:
-        """Build this step's metadata from host index arrays (int64, CPU)."""
+    def plan(self, step: StepInput) -> Any:
+        """Build this step's metadata from the step's host index arrays (int64, CPU); a backend
+        may use `step.shared_prefix` (cascade) instead of the flat per-row indices."""
         ...
 
     def forward(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 
@@ -26,12 +27,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, **_: object) -> None:
         self.device = device
 
-    def plan(
-        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-    ) -> TorchAttentionMetadata:
+    def plan(self, step: StepInput) -> TorchAttentionMetadata:
+        qo_indptr, kv_indptr, kv_indices = step.qo_indptr, step.kv_indptr, step.kv_indices
         qo_len = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
         kv_len = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
         num_seq, max_q, max_k = len(qo_len), max(qo_len), max(kv_len)

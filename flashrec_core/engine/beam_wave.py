@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
+from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.search.beam import (
     BeamLayout,
@@ -92,6 +92,7 @@ class BeamWave:
                 tokens=self.sid.level_starts[level - 1] + codes[:, -1],
                 positions=prompt_lens[beams.row_request] + level - 1,
                 prompt_slots=slots, row_request=beams.row_request, history=history, own=own,
+                flat=not getattr(self.runner.attn_backend, "cascade", False),
             )  # fmt: skip
             hidden = self.runner.forward(step)
             sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
@@ -146,19 +147,27 @@ def prepare_beam_decode(
     row_request: torch.Tensor,
     history: torch.Tensor,
     own: torch.Tensor,
+    flat: bool = True,
 ) -> StepInput:
     """A decode step: one token per beam row, attending to its request's prompt slots, the
-    slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R])."""
+    slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R]).
+
+    Both views are built: the two-level `shared_prefix` (cascade) always, the flat per-row
+    index list only when `flat` (it repeats each prompt once per beam)."""
     req = row_request.cpu()
     prompt_lens = torch.tensor([len(s) for s in prompt_slots])
-    kv_lens = prompt_lens[req] + history.shape[1] + 1
-    kv_indptr = torch.zeros(len(req) + 1, dtype=torch.int64)
-    kv_indptr[1:] = torch.cumsum(kv_lens, 0)
-    own_hist = torch.cat([history, own[:, None]], dim=1).cpu()
-    prompts_cpu = [s.cpu() for s in prompt_slots]
-    kv_indices = torch.cat(
-        [torch.cat([prompts_cpu[r], own_hist[i]]) for i, r in enumerate(req.tolist())]
+    own_hist = torch.cat([history, own[:, None]], dim=1).cpu()  # [R, s + 1]
+    prompts = torch.cat([s.cpu() for s in prompt_slots])
+    shared = SharedPrefix(
+        prefix_qo_indptr=_indptr(torch.bincount(req, minlength=len(prompt_slots))),
+        prefix_kv_indptr=_indptr(prompt_lens),
+        prefix_kv_indices=prompts,
+        suffix_kv_indptr=_indptr(torch.full((len(req),), own_hist.shape[1])),
+        suffix_kv_indices=own_hist.flatten(),
     )
+    kv_lens = prompt_lens[req] + own_hist.shape[1]
+    kv_indptr = _indptr(kv_lens)
+    kv_indices = _flat_indices(prompts, shared.prefix_kv_indptr, req, own_hist, kv_indptr, kv_lens) if flat else None
     return StepInput(
         input_ids=tokens.cpu(),
         positions=positions.cpu(),
@@ -166,4 +175,29 @@ def prepare_beam_decode(
         qo_indptr=torch.arange(len(req) + 1, dtype=torch.int64),
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
+        shared_prefix=shared,
     )
+
+
+def _flat_indices(
+    prompts: torch.Tensor,
+    prompt_indptr: torch.Tensor,
+    req: torch.Tensor,
+    own_hist: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Row r's slots = its request's prompt slots then own_hist[r], for every row, vectorized."""
+    rows = torch.repeat_interleave(torch.arange(len(req)), kv_lens)  # row of each entry
+    pos = torch.arange(int(kv_indptr[-1])) - kv_indptr[rows]  # position within the row
+    prompt_len = (prompt_indptr[1:] - prompt_indptr[:-1])[req][rows]
+    in_prompt = pos < prompt_len
+    from_prompt = prompts[(prompt_indptr[req][rows] + pos).clamp(max=len(prompts) - 1)]
+    from_own = own_hist[rows, (pos - prompt_len).clamp(min=0)]
+    return torch.where(in_prompt, from_prompt, from_own)
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out

@@ -15,6 +15,22 @@ from flashrec_core.registry import Registry
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Two-level view of a beam decode step, for cascade attention.
+
+    Level 0: rows of request b (prefix_qo_indptr[b]:prefix_qo_indptr[b+1]) share the prompt
+    slots prefix_kv_indices[prefix_kv_indptr[b]:prefix_kv_indptr[b+1]]. Level 1: row r's own
+    slots suffix_kv_indices[suffix_kv_indptr[r]:suffix_kv_indptr[r+1]] (ancestors + its own).
+    """
+
+    prefix_qo_indptr: torch.Tensor
+    prefix_kv_indptr: torch.Tensor
+    prefix_kv_indices: torch.Tensor
+    suffix_kv_indptr: torch.Tensor
+    suffix_kv_indices: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepInput:
     """Host-side description of one forward step over several sequences (built in prepare_*).
 
@@ -27,7 +43,8 @@ class StepInput:
     out_cache_loc: torch.Tensor  # [T] int64
     qo_indptr: torch.Tensor  # [B + 1]
     kv_indptr: torch.Tensor  # [B + 1]
-    kv_indices: torch.Tensor  # [sum kv]
+    kv_indices: torch.Tensor | None  # [sum kv]; None when only shared_prefix is given
+    shared_prefix: SharedPrefix | None = None
 
 
 class ModelRunner:
@@ -44,9 +61,12 @@ class ModelRunner:
         ecfg = loaded.engine_config
         max_context = ecfg.max_context or self.config.max_position
         self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
+        cfg = self.config
         self.attn_backend: AttentionBackend = create_attention_backend(
-            ecfg.attention_backend, self.device
-        )
+            ecfg.attention_backend, self.device, num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, q_dtype=self.dtype,
+            kv_dtype=self.kv_pool.dtype, cascade=ecfg.cascade_attention,
+        )  # fmt: skip
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, registry: Registry | None = None) -> ModelRunner:
@@ -63,7 +83,7 @@ class ModelRunner:
     def forward(self, step: StepInput) -> torch.Tensor:
         """Hidden states [T, H] (final-normed) for every token of the step."""
         dev = self.device
-        metadata = self.attn_backend.plan(step.qo_indptr, step.kv_indptr, step.kv_indices)
+        metadata = self.attn_backend.plan(step)
         batch = ForwardBatch(
             input_ids=step.input_ids.to(dev, non_blocking=True),
             positions=step.positions.to(dev, non_blocking=True),

@@ -103,6 +103,8 @@ class RequestTable:
         return self.slots[row, : self.lengths[row]]
 
     def remove(self, row: int) -> None:
+        if row in self._free_rows:
+            raise ValueError(f"request table row {row} is not in use (removed twice?)")
         self.lengths[row] = 0
         self._free_rows.append(row)
 

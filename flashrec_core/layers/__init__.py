@@ -5,6 +5,8 @@ from flashrec_core.layers.attention import Attention, split_qkv
 from flashrec_core.layers.batch import ForwardBatch
 from flashrec_core.layers.context import BuildContext
 from flashrec_core.layers.embedding import Embedding
+from flashrec_core.layers.gelu import GeluTanh, gelu_tanh
+from flashrec_core.layers.layer_norm import LayerNorm, layer_norm
 from flashrec_core.layers.linear import Linear
 from flashrec_core.layers.norm import RMSNorm, rms_norm
 from flashrec_core.layers.quant import (
@@ -22,6 +24,8 @@ __all__ = [
     "BuildContext",
     "Embedding",
     "ForwardBatch",
+    "GeluTanh",
+    "LayerNorm",
     "Linear",
     "QuantizedActivation",
     "RMSNorm",
@@ -29,6 +33,8 @@ __all__ = [
     "SiluAndMul",
     "apply_rope",
     "fp8_linear",
+    "gelu_tanh",
+    "layer_norm",
     "quantize_per_token",
     "quantize_weight_per_channel",
     "rms_norm",

@@ -59,8 +59,10 @@ def _yarn_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(max_pos / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -70,9 +72,15 @@ def _yarn_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
         1 / pos_freqs
     ) * extrapolation_factor
     scaling = rope.attention_factor
-    if scaling is None:
-        scaling = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if scaling is None and rope.mscale and rope.mscale_all_dim:
+        scaling = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+    elif scaling is None:
+        scaling = _yarn_mscale(factor)
     return inv_freq, scaling
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,13 @@ class Checkpoint:
         files: dict[str, Path] = {}
         for shard in shards:
             with safe_open(shard, framework="pt") as f:
-                files.update(dict.fromkeys(f.keys(), shard))
+                for name in f.keys():
+                    if name in files:
+                        raise CheckpointError(
+                            f"tensor '{name}' is in both {files[name].name} and {shard.name} "
+                            f"under {self.root}; remove one copy or add an index.json"
+                        )
+                    files[name] = shard
         return files
 
     def __enter__(self) -> Checkpoint:

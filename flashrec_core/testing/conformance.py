@@ -1,7 +1,7 @@
 """The conformance suite every model plugin runs: subclass `ModelConformance`, name the spec.
 
-    class TestQwen3(ModelConformance):
-        spec = flashrec_models_qwen3.spec
+    class TestMyFamily(ModelConformance):
+        spec = flashrec_models_myfamily.spec
 
 Tests parametrized by `example` run once per tiny example config of the spec. Checkpoints are
 written by `transformers` (random weights, safetensors) at test time; nothing is downloaded.

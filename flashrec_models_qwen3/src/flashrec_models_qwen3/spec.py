@@ -12,6 +12,7 @@ from flashrec_core.spec import (
     ExampleConfig,
     ModelConfig,
     WeightMap,
+    optional_field,
     parse_dtype,
     parse_quantization,
     parse_rope,
@@ -28,28 +29,30 @@ class Qwen3Config(ModelConfig):
     attention_bias: bool = False
 
 
-def parse_qwen3_config(hf: Mapping[str, Any]) -> Qwen3Config:
-    def get(key: str) -> Any:
-        return require_field(hf, key, ARCH)
+HF_HEAD_DIM_DEFAULT = 128  # transformers' Qwen3Config default when config.json omits head_dim
 
-    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or hidden // heads)
+
+def parse_qwen3_config(hf: Mapping[str, Any]) -> Qwen3Config:
+    def get(key: str, kind: type = int) -> Any:
+        return require_field(hf, key, ARCH, kind)
+
+    head_dim = optional_field(hf, "head_dim", ARCH, int, HF_HEAD_DIM_DEFAULT)
     return Qwen3Config(
         architecture=ARCH,
         vocab_size=get("vocab_size"),
-        hidden_size=hidden,
+        hidden_size=get("hidden_size"),
         num_layers=get("num_hidden_layers"),
-        num_q_heads=heads,
+        num_q_heads=get("num_attention_heads"),
         num_kv_heads=get("num_key_value_heads"),
         head_dim=head_dim,
         intermediate_size=get("intermediate_size"),
         max_position=get("max_position_embeddings"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=optional_field(hf, "tie_word_embeddings", ARCH, bool, False),
         rope=parse_rope(hf, head_dim, ARCH),
-        norm_eps=get("rms_norm_eps"),
-        checkpoint_dtype=parse_dtype(hf),
+        norm_eps=get("rms_norm_eps", float),
+        checkpoint_dtype=parse_dtype(hf, ARCH),
         quantization=parse_quantization(hf, ARCH),
-        attention_bias=bool(hf.get("attention_bias", False)),
+        attention_bias=optional_field(hf, "attention_bias", ARCH, bool, False),
     )
 
 

@@ -1,0 +1,85 @@
+"""FlashInfer (prefill, flat decode, cascade) == the torch reference backend, on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashrec_core.attention import TorchAttentionBackend
+from flashrec_core.engine.beam_wave import prepare_beam_decode
+from flashrec_core.engine.model_runner import prepare_prefill
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import ForwardBatch
+
+pytestmark = pytest.mark.gpu
+
+HQ, HKV, D = 16, 8, 128
+
+
+def _pool(dtype: torch.dtype, slots: int = 8192) -> KVPool:
+    pool = KVPool(1, HKV, D, slots, dtype, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, generator=g, device="cuda").to(dtype))
+    pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, generator=g, device="cuda").to(dtype))
+    return pool
+
+
+def _run(backend, step, pool, q) -> torch.Tensor:
+    meta = backend.plan(step)
+    batch = ForwardBatch(step.input_ids.cuda(), step.positions.cuda(), step.out_cache_loc.cuda(),
+                         pool, backend, meta)  # fmt: skip
+    return backend.forward(q, 0, D**-0.5, batch).float()
+
+
+def _flashinfer(kv_dtype: torch.dtype, cascade: bool):
+    from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(
+        torch.device("cuda"), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        q_dtype=torch.bfloat16, kv_dtype=kv_dtype, cascade=cascade,
+    )  # fmt: skip
+
+
+# bf16 inputs, fp32 accumulation in both: outputs are convex combinations of V rows (|v| ~ 3),
+# rounded to bf16 (2^-9 relative) by FlashInfer: 2e-2 absolute covers rounding + summation order.
+ATOL = 2e-2
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_prefill_matches_reference(kv_dtype: torch.dtype) -> None:
+    pool = _pool(kv_dtype)
+    lens = [37, 300, 5, 128]
+    slots, start = [], 1
+    for n in lens:
+        slots.append(torch.arange(start, start + n))
+        start += n + 11  # gaps: slots need not be contiguous
+    step = prepare_prefill([[1] * n for n in lens], slots)
+    q = torch.randn(sum(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
+    got = _run(_flashinfer(kv_dtype, cascade=True), step, pool, q)
+    assert (got - ref).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cascade", [False, True], ids=["flat", "cascade"])
+def test_beam_decode_matches_reference(kv_dtype: torch.dtype, cascade: bool) -> None:
+    pool = _pool(kv_dtype)
+    widths, prompt_lens, level = [8, 3, 16], [200, 64, 513], 2
+    prompt_slots, start = [], 1
+    for n in prompt_lens:
+        prompt_slots.append(torch.arange(start, start + n))
+        start += n
+    rows = sum(widths)
+    row_request = torch.repeat_interleave(torch.arange(3), torch.tensor(widths))
+    history = torch.arange(start, start + rows * level).view(rows, level)
+    own = torch.arange(start + rows * level, start + rows * (level + 1))
+    step = prepare_beam_decode(
+        tokens=torch.ones(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
+        prompt_slots=prompt_slots, row_request=row_request, history=history, own=own,
+    )  # fmt: skip
+    q = torch.randn(rows, HQ, D, device="cuda", dtype=torch.bfloat16)
+    ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
+    backend = _flashinfer(kv_dtype, cascade)
+    got = _run(backend, step, pool, q)
+    assert backend.plan(step).kind == ("cascade" if cascade else "decode")
+    assert (got - ref).abs().max().item() < ATOL

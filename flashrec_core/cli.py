@@ -50,6 +50,26 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
 
+    bench = sub.add_parser("bench", help="offline throughput benchmark (CUDA)")
+    bench.add_argument("--preset", default="qwen3-1.7b", help="model shape preset (qwen3-1.7b, tiny)")
+    bench.add_argument("--config", default=None, help="config.json giving the model shape instead")
+    bench.add_argument("--prompt-len", type=int, default=1024)
+    bench.add_argument("--shared-prefix", type=int, default=64)
+    bench.add_argument("-n", type=int, default=50, help="beam width")
+    bench.add_argument("--requests", type=int, default=400)
+    bench.add_argument("--catalog-size", type=int, default=1_000_000)
+    bench.add_argument("--level-sizes", default="8192,8192,8192")
+    bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
+    bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
+    bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
+    bench.add_argument("--graphs", choices=["off"], default="off",
+                       help="whole-step CUDA graphs (not implemented yet: only off)")
+    bench.add_argument("--no-hf-baseline", action="store_true")
+    bench.add_argument("--hf-requests", type=int, default=8)
+    bench.add_argument("--hf-batch", type=int, default=4)
+    bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.set_defaults(func=cmd_bench)
+
     demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
     demo.add_argument("out", help="directory to create")
     demo.add_argument("--arch", default=None, help="architecture (default: first installed)")
@@ -180,6 +200,22 @@ def _read_messages(path: str) -> list[dict[str, str]]:
     ):
         raise ValueError(f"--messages-json {path}: expected a list of {{role, content}} objects")
     return data
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flashrec_core.bench import BenchConfig, main_bench
+
+    level_sizes = _int_list(args.level_sizes)
+    assert level_sizes is not None, "argparse supplies a default"
+    bc = BenchConfig(
+        preset=args.preset, config_path=args.config, prompt_len=args.prompt_len,
+        shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
+        catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
+        cascade=not args.no_cascade, rows_per_wave=args.rows_per_wave,
+        hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
+    )  # fmt: skip
+    main_bench(bc, args.out)
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -47,6 +47,14 @@ class BeamWave:
         self.head = head
         self.trie = trie
         self.sid = layout
+        self.timeline: list[tuple[str, torch.cuda.Event]] | None = None
+        """When a list (benchmarks on CUDA), CUDA events are recorded at each stage boundary."""
+
+    def _mark(self, name: str) -> None:
+        if self.timeline is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.timeline.append((name, event))
 
     def run(self, requests: list[GenerationRequest]) -> WaveOutput:
         runner, device = self.runner, self.runner.device
@@ -79,11 +87,13 @@ class BeamWave:
         first = BeamLayout.create([1] * len(requests), device)
         beams = BeamLayout.create([r.n for r in requests], device)
         slots = [self.runner.request_table.get(row) for row in table_rows]
+        self._mark("start")
         step = prepare_prefill(prompts, [s.cpu() for s in slots])
         hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
         sel = self._select(hidden, 0, torch.zeros(len(requests), device=device),
                            torch.zeros(len(requests), dtype=torch.int64, device=device),
                            first, beams, noise)  # fmt: skip
+        self._mark("prefill")
         codes, history = sel.code[:, None], decode_slots[:, :0]
         prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
         for level in range(1, self.trie.depth):
@@ -98,6 +108,7 @@ class BeamWave:
             sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
             history = torch.cat([history, own[:, None]], dim=1)[sel.parent]
             codes = torch.cat([codes[sel.parent], sel.code[:, None]], dim=1)
+            self._mark(f"decode{level}")
         return WaveOutput(beams, codes, sel.score, sel.node)
 
     def _select(

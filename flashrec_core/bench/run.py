@@ -1,0 +1,174 @@
+"""`flashrec bench`: offline saturation benchmark of constrained beam search on a synthetic
+workload, with the roofline floor and an HF transformers baseline measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashrec_core.bench.roofline import measure_peaks, wave_cost
+from flashrec_core.bench.workload import (
+    RequestSpec,
+    load_shape,
+    random_catalog,
+    random_model,
+    sid_layout_at_end,
+    synthetic_requests,
+)
+from flashrec_core.config import EngineConfig
+from flashrec_core.engine.beam_wave import BeamWave
+from flashrec_core.engine.model_runner import ModelRunner
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.search.lm_head import RestrictedLMHead
+from flashrec_core.search.trie import build_trie
+
+logger = logging.getLogger("flashrec")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    preset: str = "qwen3-1.7b"
+    config_path: str | None = None
+    prompt_len: int = 1024
+    shared_prefix: int = 64
+    n: int = 50
+    num_requests: int = 400
+    catalog_size: int = 1_000_000
+    level_sizes: tuple[int, ...] = (8192, 8192, 8192)
+    fp8: bool = True
+    cascade: bool = True
+    rows_per_wave: int = 8192
+    hf_baseline: bool = True
+    hf_requests: int = 8
+    hf_batch: int = 4
+    seed: int = 0
+
+
+def _waves(requests: list[GenerationRequest], rows: int) -> list[list[GenerationRequest]]:
+    waves: list[list[GenerationRequest]] = [[]]
+    for req in requests:
+        if waves[-1] and sum(r.n for r in waves[-1]) + req.n > rows:
+            waves.append([])
+        waves[-1].append(req)
+    return waves
+
+
+def _build(bc: BenchConfig) -> tuple[BeamWave, Any]:
+    shape = load_shape(bc.preset, bc.config_path)
+    per_wave = bc.rows_per_wave // bc.n
+    kv_tokens = per_wave * (bc.prompt_len + bc.n * len(bc.level_sizes)) + 1024
+    cfg = EngineConfig(
+        model_path="<synthetic>", device="cuda", dtype="bfloat16",
+        quantization="fp8" if bc.fp8 else "none", kv_cache_dtype="fp8_e4m3" if bc.fp8 else "bfloat16",
+        attention_backend="flashinfer", cascade_attention=bc.cascade, kv_cache_tokens=kv_tokens,
+        max_context=bc.prompt_len + 8, max_requests=max(per_wave, 1) + 1, show_progress=False,
+    )  # fmt: skip
+    runner = ModelRunner(random_model(shape, cfg, bc.seed))
+    layout = sid_layout_at_end(runner.config.vocab_size, bc.level_sizes)
+    codes = random_catalog(bc.level_sizes, bc.catalog_size, bc.seed)
+    trie = build_trie(codes, bc.level_sizes).to(runner.device)
+    head = RestrictedLMHead(runner.lm_head(), runner.lm_head_bias(), layout)
+    return BeamWave(runner, head, trie, layout), shape
+
+
+def run_bench(bc: BenchConfig) -> dict[str, Any]:
+    wave, shape = _build(bc)
+    runner, layout = wave.runner, wave.sid
+    requests = synthetic_requests(
+        RequestSpec(bc.num_requests, bc.prompt_len, bc.shared_prefix, bc.n), layout, bc.seed
+    )
+    waves = _waves(requests, bc.rows_per_wave)
+    wave.run(waves[0])  # warm-up: JIT compiles, allocator growth
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    wave.timeline = []
+    ends = []
+    for group in waves:
+        wave.run(group)
+        ends.append(wave.timeline[-1][1])
+    torch.cuda.synchronize()
+    marks = wave.timeline
+    start = marks[0][1]
+    wave_ms = [start.elapsed_time(e) for e in ends]
+    stages = _stage_times(marks)
+    total_s = wave_ms[-1] / 1e3
+    latencies = np.repeat(wave_ms, [len(g) for g in waves])
+    result: dict[str, Any] = {
+        "config": asdict(bc),
+        "gpu": torch.cuda.get_device_name(),
+        "waves": len(waves),
+        "requests_per_s": bc.num_requests / total_s,
+        "prefill_tokens_per_s": bc.num_requests * bc.prompt_len / (sum(stages["prefill"]) / 1e3),
+        "prefill_ms_per_wave": float(np.mean(stages["prefill"])),
+        "decode_step_ms_full_wave": float(np.mean(stages["decode"])),
+        "latency_p50_ms": float(np.percentile(latencies, 50)),
+        "latency_p99_ms": float(np.percentile(latencies, 99)),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "graph_replays": 0,
+        "eager_steps": len(stages["decode"]),
+        "fused_paths": sorted(runner.loaded.context.fused),
+    }
+    result.update(_roofline(bc, runner, waves, total_s))
+    if bc.hf_baseline:
+        from flashrec_core.bench.hf_baseline import hf_requests_per_s
+
+        hf_rps = hf_requests_per_s(shape, requests[: bc.hf_requests], bc.n, bc.hf_batch, len(bc.level_sizes))
+        result["hf_requests_per_s"] = hf_rps
+        result["speedup_vs_hf"] = result["requests_per_s"] / hf_rps
+    return result
+
+
+def _stage_times(marks: list[tuple[str, torch.cuda.Event]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for (_, a), (name, b) in zip(marks, marks[1:]):
+        if name == "start":
+            continue
+        out["prefill" if name == "prefill" else "decode"].append(a.elapsed_time(b))
+    return out
+
+
+def _roofline(bc: BenchConfig, runner: ModelRunner, waves: list, total_s: float) -> dict[str, Any]:
+    peaks = measure_peaks(bc.fp8, runner.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes -= runner.lm_head().numel() * runner.lm_head().element_size()  # restricted head
+    kv_bytes = 1 if bc.fp8 else 2
+    floor = 0.0
+    for group in waves:
+        cost = wave_cost(
+            runner.config, peaks, [len(r.prompt_ids) for r in group], [r.n for r in group],
+            bc.level_sizes, weight_bytes, kv_bytes, bc.cascade,
+        )  # fmt: skip
+        floor += cost.floor_seconds
+    return {
+        "peak_gemm_tflops": peaks.gemm_flops / 1e12,
+        "peak_copy_tb_per_s": peaks.copy_bytes / 1e12,
+        "roofline_requests_per_s": bc.num_requests / floor,
+        "percent_of_roofline": 100 * floor / total_s,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    keys = [
+        "gpu", "waves", "requests_per_s", "prefill_tokens_per_s", "prefill_ms_per_wave",
+        "decode_step_ms_full_wave", "latency_p50_ms", "latency_p99_ms", "peak_memory_gib",
+        "roofline_requests_per_s", "percent_of_roofline", "graph_replays", "eager_steps",
+        "hf_requests_per_s", "speedup_vs_hf",
+    ]  # fmt: skip
+    for k in keys:
+        if k in result:
+            v = result[k]
+            print(f"{k:28s} {v:,.2f}" if isinstance(v, float) else f"{k:28s} {v}")
+
+
+def main_bench(bc: BenchConfig, out: str | None) -> dict[str, Any]:
+    result = run_bench(bc)
+    print_table(result)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,113 @@
+"""Synthetic benchmark workloads: a random-weight model of a real shape, a random catalog,
+requests with a shared prefix. Nothing is read from disk; throughput does not depend on weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashrec_core.config import EngineConfig, resolve_engine_config
+from flashrec_core.engine.build import LoadedModel, create_build_context
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.layers import FP8_DTYPE, Linear, quantize_weight_per_channel
+from flashrec_core.registry import Registry
+from flashrec_core.search.sid_layout import SidLayout
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-1.7B's shape with a 3 x 8192 SID vocabulary and two boundary tokens appended.
+    "qwen3-1.7b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "vocab_size": 151643 + 3 * 8192 + 2,
+    },
+    "tiny": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "vocab_size": 1000 + 3 * 256 + 2,
+    },
+}  # fmt: skip
+
+
+def load_shape(preset: str | None, config_path: str | None) -> dict[str, Any]:
+    if config_path:
+        return json.loads(Path(config_path).read_text())
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return dict(PRESETS[preset])
+
+
+def sid_layout_at_end(vocab_size: int, level_sizes: tuple[int, ...]) -> SidLayout:
+    """SID codebooks as the last tokens of the vocabulary, then <|sid_begin|>, <|sid_end|>."""
+    start = vocab_size - sum(level_sizes) - 2
+    if start < 0:
+        raise ValueError(f"vocab_size {vocab_size} cannot hold SID levels {level_sizes}")
+    starts = tuple(start + sum(level_sizes[:i]) for i in range(len(level_sizes)))
+    names = tuple("abcde"[i] for i in range(len(level_sizes)))
+    return SidLayout(names, starts, level_sizes, vocab_size - 2, vocab_size - 1)
+
+
+@torch.no_grad()
+def random_model(hf_config: dict[str, Any], engine_config: EngineConfig, seed: int = 0) -> LoadedModel:
+    """Build the architecture's model with random weights (std 0.02, norms 1) on the device."""
+    spec = Registry.discover().resolve(hf_config["architectures"][0])
+    config = spec.parse_config(hf_config)
+    cfg = resolve_engine_config(engine_config, checkpoint_quantized=False)
+    ctx, fused = create_build_context(spec, cfg)
+    with torch.device(ctx.device):
+        model = spec.load_model_class()(config, ctx)
+    gen = torch.Generator(device=ctx.device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.fp8:
+            w = torch.randn(module.weight.shape, generator=gen, device=ctx.device) * 0.02
+            q, scale = quantize_weight_per_channel(w)
+            module.weight.copy_(q)
+            assert module.weight_scale is not None, "FP8 Linear has a scale"
+            module.weight_scale.copy_(scale)
+    for name, p in model.named_parameters():
+        if p.dtype == FP8_DTYPE or name.endswith("weight_scale"):
+            continue
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, device=ctx.device) * 0.02)
+    return LoadedModel(spec, config, cfg, model.eval(), ctx, fused)
+
+
+def random_catalog(level_sizes: tuple[int, ...], size: int, seed: int = 0) -> np.ndarray:
+    """`size` unique random SIDs, sorted (int64 [size, depth])."""
+    rng = np.random.default_rng(seed)
+    space = int(np.prod(level_sizes))
+    flat = np.unique(rng.integers(0, space, size=int(size * 1.05) + 16))
+    flat = rng.permutation(flat)[:size]
+    codes = np.stack(np.unravel_index(np.sort(flat), level_sizes), axis=1).astype(np.int64)
+    return codes
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    num_requests: int
+    prompt_len: int
+    shared_prefix: int
+    n: int
+
+
+def synthetic_requests(spec: RequestSpec, layout: SidLayout, seed: int = 0) -> list[GenerationRequest]:
+    """Prompts of random ordinary tokens, the first `shared_prefix` identical in all, ending in
+    <|sid_begin|>."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, layout.sid_start, size=spec.shared_prefix).tolist()
+    body = spec.prompt_len - spec.shared_prefix - 1
+    out = []
+    for _ in range(spec.num_requests):
+        tokens = prefix + rng.integers(0, layout.sid_start, size=body).tolist()
+        out.append(GenerationRequest(tuple(tokens + [layout.begin_token_id]), spec.n))
+    return out

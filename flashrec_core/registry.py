@@ -105,10 +105,11 @@ class Registry:
         claims = [p for p in self.plugins if architecture in p.architectures]
         if not claims:
             installed = ", ".join(self.architectures()) or "none"
-            hint = _package_hint(architecture)
             raise RegistryError(
-                f"unknown architecture '{architecture}'. Installed: {installed}. "
-                f"Install its plugin (e.g. `pip install {hint}`) or pass --arch."
+                f"unknown architecture '{architecture}'. Installed: {installed}. Install the "
+                "plugin that serves it (`pip install flashrec-models-<family>`, e.g. "
+                f"`pip install {_package_hint(architecture)}` if that family has its own "
+                "package) or pass --arch with an installed architecture."
             )
         if len(claims) > 1:
             names = ", ".join(f"{p.distribution} ({p.name})" for p in claims)

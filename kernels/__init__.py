@@ -1,0 +1,40 @@
+"""Shared FlashRec kernels: each Triton kernel `foo` has a pure-torch `foo_ref` with the same math.
+
+The CPU engine and the eager fallbacks call the `_ref` functions; the fused paths call the Triton
+ones (CUDA, or CPU under TRITON_INTERPRET=1). Importing this package never imports triton: the
+kernels live in the `triton_*` modules, which the wrappers import on first launch. Plugins writing
+their own FP8 kernels reuse `flashrec_kernels.triton_fp8` (pre-rounded stores, row quantizer) and
+test them with `flashrec_kernels.testing`.
+"""
+
+from __future__ import annotations
+
+from .device import triton_available, triton_interpreting
+from .fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_ABSMAX,
+    per_token_quant_fp8,
+    per_token_quant_fp8_ref,
+    quantize_rows_ref,
+)
+from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
+from .rope import rope_norm_store, rope_norm_store_ref
+from .silu_mul import silu_mul_quant_fp8, silu_mul_quant_fp8_ref
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "MIN_ABSMAX",
+    "per_token_quant_fp8",
+    "per_token_quant_fp8_ref",
+    "quantize_rows_ref",
+    "rms_norm_quant_fp8",
+    "rms_norm_quant_fp8_ref",
+    "rope_norm_store",
+    "rope_norm_store_ref",
+    "silu_mul_quant_fp8",
+    "silu_mul_quant_fp8_ref",
+    "triton_available",
+    "triton_interpreting",
+]

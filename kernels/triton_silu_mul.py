@@ -1,0 +1,63 @@
+"""Triton kernel of `silu_mul_quant_fp8`: one program per token row, in two passes over chunks.
+
+Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 finds the row's
+absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
+this is about 1.6x faster than a whole-row block at I = 12288.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp8 import fp8_scale, to_fp8
+from .triton_quant import empty_fp8_rows
+
+__all__ = ["launch_silu_mul_quant_fp8"]
+
+_CHUNK = 1024
+
+
+@triton.jit
+def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr):
+    # fp32 right after every load: the interpreter computes bf16 arithmetic wrongly.
+    gate = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    # Plain `/` (approximate on GPU): tl.exp is approximate there anyway, so IEEE division would
+    # buy no exactness, and it costs ~15% here.
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _silu_mul_quant_fp8_kernel(
+    gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = gate_up_ptr + row * row_stride
+    absmax = tl.zeros((CHUNK,), tl.float32)
+    for start in range(0, INTER, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        y = _silu_mul(row_ptr, offs, offs < INTER, INTER)
+        absmax = tl.maximum(absmax, tl.abs(y))  # masked lanes hold silu(0) * 0 = 0
+    scale = fp8_scale(tl.max(absmax, axis=0))
+    for start in range(0, INTER, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < INTER
+        y = _silu_mul(row_ptr, offs, mask, INTER)
+        tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def launch_silu_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch one program per row; arguments are validated by the public wrapper."""
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    q, scale = empty_fp8_rows(t, inter, gate_up.device)
+    if t == 0 or inter == 0:
+        return q, scale
+    chunk = min(_CHUNK, triton.next_power_of_2(inter))
+    _silu_mul_quant_fp8_kernel[(t,)](
+        gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, num_warps=4
+    )
+    return q, scale

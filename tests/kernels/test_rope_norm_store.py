@@ -1,0 +1,176 @@
+"""rope_norm_store: the reference against complex rotation, the Triton kernel against the ref."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from flashrec_kernels import FP8_DTYPE, rope_norm_store, rope_norm_store_ref
+from flashrec_kernels.testing import assert_ulp_close
+
+EPS = 1e-6
+NUM_SLOTS = 24
+PAD = 16  # extra columns per qkv row, so the row stride is not (Hq + 2 Hkv) * D
+
+
+class Qkv(NamedTuple):
+    buf: torch.Tensor  # [T, (Hq + 2 Hkv) * D + PAD]
+    q: torch.Tensor  # [T, Hq, D] views into buf
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()  # [max_pos, r]: cos | sin
+
+
+def _qkv_views(buf: torch.Tensor, hq: int, hkv: int, d: int) -> Qkv:
+    """Zero-copy per-head views of a fused qkv buffer, as the attention layer makes them."""
+    t = buf.shape[0]
+    q = buf[:, : hq * d].view(t, hq, d)
+    k = buf[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = buf[:, (hq + hkv) * d : (hq + 2 * hkv) * d].view(t, hkv, d)
+    return Qkv(buf, q, k, v)
+
+
+def _make_qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int) -> Qkv:
+    gen = torch.Generator().manual_seed(seed)
+    buf = (torch.randn(t, (hq + 2 * hkv) * d + PAD, generator=gen) * 2).to(dtype)
+    return _qkv_views(buf, hq, hkv, d)
+
+
+def test_ref_matches_complex_rotation_and_rms_norm() -> None:
+    t, hq, hkv, d, r = 3, 2, 1, 16, 8
+    x = _make_qkv(t, hq, hkv, d, torch.float32, seed=0)
+    original = x.buf.clone()
+    gen = torch.Generator().manual_seed(1)
+    q_w, k_w = 1 + torch.randn(d, generator=gen), 1 + torch.randn(d, generator=gen)
+    positions, out_loc = torch.tensor([0, 5, 17]), torch.tensor([9, 2, 4])
+    k_cache, v_cache = torch.zeros(NUM_SLOTS, hkv, d), torch.zeros(NUM_SLOTS, hkv, d)
+    rope_norm_store_ref(
+        x.q, x.k, x.v, positions, _cos_sin_cache(32, r), k_cache, v_cache, out_loc, q_w, k_w, EPS
+    )
+    inv_freq = 10000.0 ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+    turn = torch.polar(
+        torch.ones(t, 1, r // 2, dtype=torch.float64), positions[:, None, None] * inv_freq
+    )
+    before = _qkv_views(original, hq, hkv, d)
+    for got, src, w in ((x.q, before.q, q_w), (x.k, before.k, k_w)):
+        normed = F.rms_norm(src.double(), (d,), w.double(), EPS)
+        z = torch.complex(normed[..., : r // 2], normed[..., r // 2 : r]) * turn
+        expected = torch.cat([z.real, z.imag, normed[..., r:]], dim=-1)
+        # fp32 math against fp64 truth, |values| <~ 10: a few fp32 ulps.
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_cache[out_loc], x.k) and torch.equal(v_cache[out_loc], before.v)
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[out_loc] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    assert torch.equal(x.buf[:, -PAD:], original[:, -PAD:]) and torch.equal(x.v, before.v)
+
+
+def test_ref_without_norm_leaves_pass_through_dims_untouched() -> None:
+    x = _make_qkv(4, 2, 1, 32, torch.bfloat16, seed=2)
+    original = x.buf.clone()
+    caches = torch.zeros(2, NUM_SLOTS, 1, 32, dtype=torch.bfloat16)
+    positions, out_loc = torch.arange(4), torch.arange(4)
+    rope_norm_store_ref(x.q, x.k, x.v, positions, _cos_sin_cache(8, 16), *caches, out_loc)
+    before = _qkv_views(original, 2, 1, 32)
+    assert torch.equal(x.q[..., 16:], before.q[..., 16:])
+    assert torch.equal(x.q[0], before.q[0])  # position 0: cos 1, sin 0, no norm -> identity
+
+
+CASES = {
+    # name: (dtype, cache dtype, head_dim, rotary_dim, q norm, k norm)
+    "fp32-full-nonorm": (torch.float32, torch.float32, 64, 64, False, False),
+    "fp32-partial-norm-fp8cache": (torch.float32, FP8_DTYPE, 64, 32, True, True),
+    "bf16-full-norm": (torch.bfloat16, torch.bfloat16, 64, 64, True, True),
+    "bf16-partial-nonorm-fp8cache": (torch.bfloat16, FP8_DTYPE, 64, 32, False, False),
+    "bf16-partial-norm-fp8cache": (torch.bfloat16, FP8_DTYPE, 64, 16, True, True),
+    "bf16-d80-r40-norm": (torch.bfloat16, torch.bfloat16, 80, 40, True, True),
+    "bf16-qnorm-only": (torch.bfloat16, torch.bfloat16, 64, 64, True, False),
+    "fp16-full-norm-fp32cache": (torch.float16, torch.float32, 64, 64, True, True),
+}
+
+
+_REL_ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _assert_rope_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Kernel vs ref: one rounding of the output dtype apart, or a few fp32 ulps absolute.
+
+    inv_rms may differ by an fp32 ulp (reduction order) and GPUs fuse x1*cos - x2*sin into FMAs,
+    so the fp32 values differ by a few ulps of the inputs' magnitude (|x| < 8: 2^-18 absolute).
+    That flips at most one rounding to the output dtype (the relative term), except where the
+    rotation cancels to near zero, where it is many output ulps but still tiny (the absolute term).
+    """
+    if actual.dtype == FP8_DTYPE:  # e4m3 steps are >= 2^-9, far above fp32 noise: one code
+        assert_ulp_close(actual, expected, max_ulp=1, max_frac=0.01)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=_REL_ULP[actual.dtype], atol=2**-18)
+
+
+def _check_kernel_against_ref(device: torch.device, case: tuple, hq: int, hkv: int) -> None:
+    dtype, cache_dtype, d, r, q_norm, k_norm = case
+    gen = torch.Generator().manual_seed(3)
+    q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(device) if q_norm else None
+    k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(device) if k_norm else None
+    positions = torch.tensor([0, 3, 100, 7], device=device)
+    out_loc = torch.tensor([5, 0, 23, 11], device=device)
+    cos_sin = _cos_sin_cache(128, r).to(device)
+    results = []
+    for fn in (rope_norm_store, rope_norm_store_ref):
+        x = _make_qkv(len(positions), hq, hkv, d, dtype, seed=4)
+        x = _qkv_views(x.buf.to(device), hq, hkv, d)
+        caches = torch.zeros(2, NUM_SLOTS, hkv, d, device=device).to(cache_dtype)
+        fn(x.q, x.k, x.v, positions, cos_sin, caches[0], caches[1], out_loc, q_w, k_w, EPS, r)
+        results.append((x.buf, caches))
+    (buf, caches), (buf_ref, caches_ref) = results
+    _assert_rope_close(buf, buf_ref)  # q and k in place; v and the padding untouched
+    _assert_rope_close(caches[0], caches_ref[0])
+    assert_ulp_close(caches[1], caches_ref[1], max_ulp=0)  # v is a plain cast: exact
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_ref(device: torch.device, case: str) -> None:
+    _check_kernel_against_ref(device, CASES[case], hq=4, hkv=2)  # GQA
+
+
+def test_kernel_head_groups_with_partial_tail(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several programs per token, the last group only partly filled (real models at D=128)."""
+    from flashrec_kernels import triton_rope
+
+    monkeypatch.setattr(triton_rope, "_TILE_ELEMS", 128)  # D=64: 2 heads per program
+    _check_kernel_against_ref(device, CASES["bf16-partial-norm-fp8cache"], hq=6, hkv=3)
+
+
+def test_kernel_empty_batch(device: torch.device) -> None:
+    x = _qkv_views(torch.empty(0, 4 * 64, device=device), 2, 1, 64)
+    caches = torch.zeros(2, NUM_SLOTS, 1, 64, device=device)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    cos_sin = _cos_sin_cache(8, 64).to(device)
+    rope_norm_store(x.q, x.k, x.v, empty, cos_sin, caches[0], caches[1], empty)
+    assert not caches.any()
+
+
+def test_rejects_bad_arguments() -> None:
+    x = _make_qkv(2, 2, 1, 16, torch.float32, seed=5)
+    caches = torch.zeros(2, NUM_SLOTS, 1, 16)
+    idx = torch.arange(2)
+    with pytest.raises(ValueError, match="rotary_dim=8 but cos_sin_cache has 16"):
+        rope_norm_store_ref(x.q, x.k, x.v, idx, _cos_sin_cache(4, 16), *caches, idx, rotary_dim=8)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        rope_norm_store_ref(
+            x.q, x.k, x.v, idx, _cos_sin_cache(4, 16), caches[0, :, :, :8], caches[1], idx
+        )
+    with pytest.raises(ValueError, match="q_norm_weight must be"):
+        rope_norm_store_ref(
+            x.q, x.k, x.v, idx, _cos_sin_cache(4, 16), *caches, idx, q_norm_weight=torch.ones(8)
+        )
+    with pytest.raises(ValueError, match="positions must be"):
+        rope_norm_store_ref(x.q, x.k, x.v, idx.float(), _cos_sin_cache(4, 16), *caches, idx)

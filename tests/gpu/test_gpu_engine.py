@@ -9,6 +9,7 @@ import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
+from flashrec_core.registry import Registry
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
@@ -16,14 +17,16 @@ from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    from flashrec_core.registry import Registry
+ARCHITECTURES = Registry.discover().architectures()
 
-    spec = Registry.discover().resolve("Qwen3ForCausalLM")
-    path = tmp_path_factory.mktemp("gpu-tiny")
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny checkpoint of every installed architecture (its spec's first example)."""
+    spec = Registry.discover().resolve(request.param)
+    path = tmp_path_factory.mktemp(f"gpu-{request.param}")
     hf = write_tiny_checkpoint(path, spec.examples[0].hf_config, level_sizes=LEVELS)
-    return path, hf
+    return path, hf, spec
 
 
 # BF16 engine vs FP32 transformers: per-step log-probs differ by ~1e-2 (bf16 keeps 8 bits of
@@ -43,7 +46,7 @@ def test_gpu_beam_search_matches_transformers(
     """Every returned beam is scored like fp32 transformers scores it (within the precision
     tolerance), and any beam transformers keeps that we do not is within 2 x tol of our cut:
     rankings may differ only between near-ties."""
-    path, hf = checkpoint
+    path, hf, _ = checkpoint
     catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=n))
     cfg = EngineConfig(
         model_path=str(path), device="cuda", dtype="bfloat16", quantization=quantization,
@@ -67,11 +70,11 @@ def test_gpu_beam_search_matches_transformers(
 
 
 def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:
-    path, _ = checkpoint
+    path, _, spec = checkpoint
     cfg = EngineConfig(model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=4096)
     engine = Engine.from_config(cfg, SearchConfig())
     assert engine.runner.attn_backend.name == "flashinfer"
-    assert set(engine.runner.loaded.context.fused) == {"rms_norm_fp8", "silu_mul_fp8", "qk_norm_rope_kv"}
+    assert set(engine.runner.loaded.context.fused) == {c.name for c in spec.capabilities}
     assert engine.runner.kv_pool.dtype == torch.float8_e4m3fn
     [res] = engine.generate([engine.make_request(prompt="w1 w2", n=8)])
     assert len(res.choices) == 8

@@ -51,7 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="offline throughput benchmark (CUDA)")
-    bench.add_argument("--preset", default="qwen3-1.7b", help="model shape preset (qwen3-1.7b, tiny)")
+    bench.add_argument("--preset", default=None, help="model shape preset offered by a plugin")
     bench.add_argument("--config", default=None, help="config.json giving the model shape instead")
     bench.add_argument("--prompt-len", type=int, default=1024)
     bench.add_argument("--shared-prefix", type=int, default=64)

@@ -32,7 +32,7 @@ logger = logging.getLogger("flashrec")
 
 @dataclass(frozen=True)
 class BenchConfig:
-    preset: str = "qwen3-1.7b"
+    preset: str | None = None
     config_path: str | None = None
     prompt_len: int = 1024
     shared_prefix: int = 64

@@ -18,31 +18,27 @@ from flashrec_core.layers import FP8_DTYPE, Linear, quantize_weight_per_channel
 from flashrec_core.registry import Registry
 from flashrec_core.search.sid_layout import SidLayout
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # Qwen3-1.7B's shape with a 3 x 8192 SID vocabulary and two boundary tokens appended.
-    "qwen3-1.7b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
-        "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-        "vocab_size": 151643 + 3 * 8192 + 2,
-    },
-    "tiny": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
-        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-        "vocab_size": 1000 + 3 * 256 + 2,
-    },
-}  # fmt: skip
+
+def bench_presets() -> dict[str, dict[str, Any]]:
+    """Model shapes offered by the installed plugins (spec.metadata["bench_presets"])."""
+    presets: dict[str, dict[str, Any]] = {}
+    for plugin in Registry.discover().plugins:
+        if plugin.spec is not None:
+            presets.update(getattr(plugin.spec, "metadata", {}).get("bench_presets", {}))
+    return presets
 
 
 def load_shape(preset: str | None, config_path: str | None) -> dict[str, Any]:
+    """An HF config dict: from --config, or a preset shipped by an installed plugin."""
     if config_path:
         return json.loads(Path(config_path).read_text())
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    return dict(PRESETS[preset])
+    presets = bench_presets()
+    if preset not in presets:
+        raise ValueError(
+            f"unknown bench preset {preset!r}; installed plugins offer: "
+            f"{', '.join(sorted(presets)) or 'none'} (or pass --config config.json)"
+        )
+    return dict(presets[preset])
 
 
 def sid_layout_at_end(vocab_size: int, level_sizes: tuple[int, ...]) -> SidLayout:

@@ -1,10 +1,5 @@
-"""Kernel tests run the Triton kernels on CUDA when present, else in the Triton interpreter.
-
-Triton reads TRITON_INTERPRET when a kernel is decorated, and test modules decorate their own helper
-kernels at import, so it is set here, before any test module is collected. NOTE: this is process
-wide; a run that collects tests/kernels sees the interpreter everywhere. On CUDA it stays unset,
-or the kernels would run interpreted.
-"""
+"""Kernel tests run the Triton kernels on CUDA when present, else in the Triton interpreter
+(TRITON_INTERPRET is set by tests/conftest.py, before any module that may import triton)."""
 
 from __future__ import annotations
 
@@ -14,8 +9,7 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+assert ON_GPU or os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets it"
 
 
 @pytest.fixture

@@ -78,6 +78,19 @@ def _tiny(**overrides: Any) -> dict[str, Any]:
     return base | overrides
 
 
+BENCH_PRESETS = {
+    # Qwen3-1.7B's shape with a 3 x 8192 SID vocabulary and two boundary tokens appended.
+    "qwen3-1.7b": _tiny(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, vocab_size=151643 + 3 * 8192 + 2,
+    ),
+    "qwen3-small": _tiny(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, max_position_embeddings=8192, vocab_size=1000 + 3 * 256 + 2,
+    ),
+}
+
 spec = BaseModelSpec(
     name="qwen3",
     architectures=(ARCH,),
@@ -94,6 +107,7 @@ spec = BaseModelSpec(
     capabilities=(RMS_NORM_FP8, SILU_MUL_FP8, QK_NORM_ROPE_KV),
     model_class="flashrec_models_qwen3.modeling:Qwen3ForCausalLM",
     hf_config_class="transformers:Qwen3Config",
+    metadata={"bench_presets": BENCH_PRESETS},
     examples=(
         ExampleConfig("tied-gqa", _tiny()),
         ExampleConfig("untied-mha", _tiny(tie_word_embeddings=False, num_key_value_heads=4)),

@@ -21,7 +21,9 @@ fi
 if [[ $what == bench || $what == all ]]; then
   flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --out "$out/bench_n50.json" 2>&1 | tee "$out/bench_n50.log"
   flashrec bench --preset qwen3-1.7b -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tee "$out/bench_n512.log"
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -16
-  flashrec bench --preset qwen3-1.7b -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_nocascade.json" 2>&1 | tail -16
+fi
+if [[ $what == ablations || $what == all ]]; then
+  flashrec bench --preset qwen3-1.7b -n 50 --requests 320 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16
+  flashrec bench --preset qwen3-1.7b -n 50 --requests 320 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -16
+  flashrec bench --preset qwen3-1.7b -n 512 --requests 32 --no-cascade --no-hf-baseline --out "$out/bench_n512_nocascade.json" 2>&1 | tail -16
 fi

@@ -1,8 +1,8 @@
 """Sessions: lint, core tests, one conformance session per model plugin (the CI matrix), gpu, bench.
 
-    nox                         # every default session, each in its own venv
-    nox --no-venv --no-install  # the same sessions in the current environment (what CI runs)
-    nox -s plugin-qwen3         # one plugin's conformance suite
+nox                         # every default session, each in its own venv
+nox --no-venv --no-install  # the same sessions in the current environment (what CI runs)
+nox -s plugin-qwen3         # one plugin's conformance suite
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ ROOT = Path(__file__).parent
 PLUGINS = sorted(p.parent for p in ROOT.glob("flashrec_models_*/pyproject.toml"))
 TORCH = "torch==2.13.0"  # on the CI machine pip takes the local CPU build of this version
 
-nox.options.sessions = ["lint", "core", *[f"plugin-{p.name.removeprefix('flashrec_models_')}" for p in PLUGINS]]
+nox.options.sessions = [
+    "lint",
+    "core",
+    *[f"plugin-{p.name.removeprefix('flashrec_models_')}" for p in PLUGINS],
+]
 
 
 def _install(session: nox.Session, *plugins: Path) -> None:
@@ -55,7 +59,9 @@ for _plugin in PLUGINS:
 def gpu(session: nox.Session) -> None:
     """GPU tier (on a CUDA machine): every test marked gpu, plus the plugins' suites on CUDA."""
     _install(session, *PLUGINS)
-    session.run("python", "-m", "pytest", "-q", "-m", "gpu", "tests", *[str(p / "tests") for p in PLUGINS])
+    session.run(
+        "python", "-m", "pytest", "-q", "-m", "gpu", "tests", *[str(p / "tests") for p in PLUGINS]
+    )
 
 
 @nox.session

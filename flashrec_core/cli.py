@@ -62,8 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
     bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
-    bench.add_argument("--graphs", choices=["off"], default="off",
-                       help="whole-step CUDA graphs (not implemented yet: only off)")
+    bench.add_argument(
+        "--graphs",
+        choices=["off"],
+        default="off",
+        help="whole-step CUDA graphs (not implemented yet: only off)",
+    )
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
     bench.add_argument("--hf-batch", type=int, default=4)
@@ -113,7 +117,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--catalog", default=None, help="catalog file (.json/.csv/.tsv)")
     p.add_argument("--sid-normalization", choices=["level", "sid"], default="level")
     p.add_argument("--length-penalty", type=float, default=1.0)
-    p.add_argument("--sid-level-sizes", default=None, help="explicit codebook sizes, e.g. 256,256,256")
+    p.add_argument(
+        "--sid-level-sizes", default=None, help="explicit codebook sizes, e.g. 256,256,256"
+    )
     p.add_argument("--sid-depth", type=int, default=None)
     p.add_argument("--trie", choices=["auto", "dense", "csr"], default="auto")
 

@@ -67,7 +67,9 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_quantized: bool) -> Engi
     resolved = cfg.model_copy(
         update={"device": device, "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv}
     )
-    logger.info("engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s", device, dtype, quant, kv)
+    logger.info(
+        "engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s", device, dtype, quant, kv
+    )
     return resolved
 
 

@@ -225,8 +225,10 @@ def optional_field(
 def as_type(value: Any, kind: type, key: str, arch: str) -> Any:
     """Convert a JSON value to int/float/bool strictly: "abc", 3.5 for an int, or "true" fail."""
     ok = {
-        int: isinstance(value, int) and not isinstance(value, bool)
-        or isinstance(value, float) and value.is_integer(),
+        int: isinstance(value, int)
+        and not isinstance(value, bool)
+        or isinstance(value, float)
+        and value.is_integer(),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
         bool: isinstance(value, bool),
     }.get(kind, isinstance(value, kind))
@@ -335,4 +337,3 @@ def parse_dtype(hf_config: Mapping[str, Any], arch: str = "model") -> str:
             "bfloat16 or float16"
         )
     return dtype
-

@@ -20,7 +20,9 @@ def create_attention_backend(name: str, device: torch.device, **kwargs: object) 
         from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(device, **kwargs)
-    raise ValueError(f"unknown attention backend '{name}'; choose one of auto, {', '.join(BACKENDS)}")
+    raise ValueError(
+        f"unknown attention backend '{name}'; choose one of auto, {', '.join(BACKENDS)}"
+    )
 
 
 def _flashinfer_available() -> bool:

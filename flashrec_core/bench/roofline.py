@@ -31,7 +31,9 @@ def measure_peaks(fp8: bool, device: torch.device) -> Peaks:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
         sa = torch.ones(m, 1, device=device)
         sb = torch.ones(1, m, device=device)
-        ms = do_bench(lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+        ms = do_bench(
+            lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        )
     else:
         ms = do_bench(lambda: a @ b)
     src = torch.empty(1 << 31, dtype=torch.int16, device=device)
@@ -66,7 +68,9 @@ def wave_cost(
     """
     h, layers = cfg.hidden_size, cfg.num_layers
     q_size, kv_size = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    linear_params = layers * (h * (q_size + 2 * kv_size) + q_size * h + 3 * h * cfg.intermediate_size)
+    linear_params = layers * (
+        h * (q_size + 2 * kv_size) + q_size * h + 3 * h * cfg.intermediate_size
+    )
     kv_per_token = 2 * kv_size * layers * kv_bytes
     attn = 4 * cfg.num_q_heads * cfg.head_dim * layers
     tokens = sum(prompt_lens)

@@ -117,7 +117,9 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     if bc.hf_baseline:
         from flashrec_core.bench.hf_baseline import hf_requests_per_s
 
-        hf_rps = hf_requests_per_s(shape, requests[: bc.hf_requests], bc.n, bc.hf_batch, len(bc.level_sizes))
+        hf_rps = hf_requests_per_s(
+            shape, requests[: bc.hf_requests], bc.n, bc.hf_batch, len(bc.level_sizes)
+        )
         result["hf_requests_per_s"] = hf_rps
         result["speedup_vs_hf"] = result["requests_per_s"] / hf_rps
     return result

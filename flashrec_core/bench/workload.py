@@ -52,7 +52,9 @@ def sid_layout_at_end(vocab_size: int, level_sizes: tuple[int, ...]) -> SidLayou
 
 
 @torch.no_grad()
-def random_model(hf_config: dict[str, Any], engine_config: EngineConfig, seed: int = 0) -> LoadedModel:
+def random_model(
+    hf_config: dict[str, Any], engine_config: EngineConfig, seed: int = 0
+) -> LoadedModel:
     """Build the architecture's model with random weights (std 0.02, norms 1) on the device."""
     spec = Registry.discover().resolve(hf_config["architectures"][0])
     config = spec.parse_config(hf_config)
@@ -96,7 +98,9 @@ class RequestSpec:
     n: int
 
 
-def synthetic_requests(spec: RequestSpec, layout: SidLayout, seed: int = 0) -> list[GenerationRequest]:
+def synthetic_requests(
+    spec: RequestSpec, layout: SidLayout, seed: int = 0
+) -> list[GenerationRequest]:
     """Prompts of random ordinary tokens, the first `shared_prefix` identical in all, ending in
     <|sid_begin|>."""
     rng = np.random.default_rng(seed)

@@ -178,7 +178,11 @@ def prepare_beam_decode(
     )
     kv_lens = prompt_lens[req] + own_hist.shape[1]
     kv_indptr = _indptr(kv_lens)
-    kv_indices = _flat_indices(prompts, shared.prefix_kv_indptr, req, own_hist, kv_indptr, kv_lens) if flat else None
+    kv_indices = (
+        _flat_indices(prompts, shared.prefix_kv_indptr, req, own_hist, kv_indptr, kv_lens)
+        if flat
+        else None
+    )
     return StepInput(
         input_ids=tokens.cpu(),
         positions=positions.cpu(),

@@ -98,7 +98,9 @@ def load_model(cfg: EngineConfig, registry: Registry | None = None) -> LoadedMod
     with torch.device(ctx.device):
         model = spec.load_model_class()(model_config, ctx)
     model.eval()
-    report = load_weights(model, spec, model_config, cfg.model_path, show_progress=cfg.show_progress)
+    report = load_weights(
+        model, spec, model_config, cfg.model_path, show_progress=cfg.show_progress
+    )
     logger.info(
         "loaded %s (%d tensors, %.1f MB) in %.2f s",
         arch, report.num_tensors, report.bytes_read / 1e6, report.seconds,

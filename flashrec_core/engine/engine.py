@@ -1,7 +1,7 @@
 """The offline engine: load a GenRec checkpoint once, then `generate` ranked items many times.
 
-    engine = Engine.from_config(EngineConfig(model_path=DIR), SearchConfig(catalog_path=FILE))
-    [result] = engine.generate([engine.make_request(prompt="user history w1 w2", n=10)])
+engine = Engine.from_config(EngineConfig(model_path=DIR), SearchConfig(catalog_path=FILE))
+[result] = engine.generate([engine.make_request(prompt="user history w1 w2", n=10)])
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class Engine:
         self.catalog = catalog
         self.search = search
         self.trie = self._create_trie(catalog, layout, search, runner.device)
-        head = RestrictedLMHead(runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization)
+        head = RestrictedLMHead(
+            runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization
+        )
         self.wave = BeamWave(runner, head, self.trie, layout)
 
     @classmethod
@@ -78,7 +80,9 @@ class Engine:
             raise ValueError("give exactly one of prompt or messages")
         if self.tokenizer.chat_template:
             msgs = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False
+            )
         elif messages is not None:
             raise ValueError("the tokenizer has no chat template; send a plain prompt instead")
         else:
@@ -113,7 +117,9 @@ class Engine:
         out = self.wave.run(list(requests))
         return self._results(list(requests), out)
 
-    def _results(self, requests: list[GenerationRequest], out: WaveOutput) -> list[GenerationResult]:
+    def _results(
+        self, requests: list[GenerationRequest], out: WaveOutput
+    ) -> list[GenerationResult]:
         codes, scores, nodes = out.codes.cpu(), out.scores.cpu(), out.nodes.cpu()
         offsets = out.layout.row_offsets.cpu().tolist()
         depth = self.trie.depth
@@ -123,7 +129,10 @@ class Engine:
                 (r for r in range(start, start + req.n) if scores[r] > float("-inf")),
                 key=lambda r: (-scores[r].item(), r),
             )
-            choices = [self._choice(i, codes[r], scores[r].item(), int(nodes[r])) for i, r in enumerate(rows)]
+            choices = [
+                self._choice(i, codes[r], scores[r].item(), int(nodes[r]))
+                for i, r in enumerate(rows)
+            ]
             notes = []
             if len(choices) < req.n:
                 notes.append(f"only {len(choices)} valid items reachable; requested n={req.n}")
@@ -137,16 +146,22 @@ class Engine:
         token_ids = tuple(self.layout.token_id(lv, c) for lv, c in enumerate(code_list))
         items = self.catalog.items[node] if self.catalog is not None else ()
         score = logprob / (len(code_list) ** self.search.length_penalty)
-        return Choice(index, code_list, token_ids, self.layout.format(code_list), items, logprob, score)
+        return Choice(
+            index, code_list, token_ids, self.layout.format(code_list), items, logprob, score
+        )
 
 
-def _load_layout_and_catalog(tokenizer: Any, search: SearchConfig) -> tuple[Catalog | None, SidLayout]:
+def _load_layout_and_catalog(
+    tokenizer: Any, search: SearchConfig
+) -> tuple[Catalog | None, SidLayout]:
     """Infer the SID layout from the tokenizer (and flags), then load the catalog against it."""
     vocab = tokenizer.get_vocab()
     full = infer_sid_layout(vocab, level_sizes=search.sid_level_sizes)
     if search.catalog_path is None:
-        layout = full if search.sid_depth is None else infer_sid_layout(
-            vocab, level_sizes=search.sid_level_sizes, depth=search.sid_depth
+        layout = (
+            full
+            if search.sid_depth is None
+            else infer_sid_layout(vocab, level_sizes=search.sid_level_sizes, depth=search.sid_depth)
         )
         return None, layout
     catalog = load_catalog(search.catalog_path, full.level_sizes)

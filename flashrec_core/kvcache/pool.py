@@ -38,7 +38,9 @@ class KVPool:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return 2 * num_kv_heads * head_dim * num_layers * torch.empty((), dtype=dtype).element_size()
+        return (
+            2 * num_kv_heads * head_dim * num_layers * torch.empty((), dtype=dtype).element_size()
+        )
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_cache[layer_id][loc] = k.to(self.dtype)

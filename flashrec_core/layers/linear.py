@@ -44,7 +44,9 @@ class Linear(nn.Module):
         w_dtype = FP8_DTYPE if self.fp8 else ctx.dtype
         self.weight = nn.Parameter(torch.empty(shape, dtype=w_dtype, device=ctx.device), False)
         self.weight_scale = (
-            nn.Parameter(torch.empty(self.out_features, dtype=torch.float32, device=ctx.device), False)
+            nn.Parameter(
+                torch.empty(self.out_features, dtype=torch.float32, device=ctx.device), False
+            )
             if self.fp8
             else None
         )

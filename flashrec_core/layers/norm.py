@@ -37,7 +37,9 @@ class RMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=ctx.dtype, device=ctx.device), False)
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=ctx.dtype, device=ctx.device), False
+        )
         self.quantize_output = quantize_output
         self.fused_kernel = fused_kernel if quantize_output else None
 

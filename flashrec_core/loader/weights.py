@@ -113,11 +113,15 @@ class WeightLoader:
             )
         key = (target.param, target.shard)
         if key in self.loaded:
-            raise CheckpointError(f"{where} loads '{target.param}' again (first: {self.loaded[key]})")
+            raise CheckpointError(
+                f"{where} loads '{target.param}' again (first: {self.loaded[key]})"
+            )
         self.loaded[key] = name
         tensor = ckpt.get(name)
         if tensor.dtype not in (*FLOAT_DTYPES, FP8_DTYPE):
-            raise CheckpointError(f"{where} has dtype {tensor.dtype}; expected a float or fp8 dtype")
+            raise CheckpointError(
+                f"{where} has dtype {tensor.dtype}; expected a float or fp8 dtype"
+            )
         module = self.modules[target.module]
         rows = _shard_rows(module, target, param)
         if tensor.dtype == FP8_DTYPE:

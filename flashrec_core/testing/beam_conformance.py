@@ -41,8 +41,12 @@ def random_codes(count: int, seed: int) -> list[tuple[int, ...]]:
 
 
 def create_engine(path: Path, catalog: Path | None, **search: Any) -> Engine:
-    cfg = EngineConfig(model_path=str(path), device="cpu", kv_cache_tokens=1 << 15, show_progress=False)
-    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog) if catalog else None, **search))
+    cfg = EngineConfig(
+        model_path=str(path), device="cpu", kv_cache_tokens=1 << 15, show_progress=False
+    )
+    return Engine.from_config(
+        cfg, SearchConfig(catalog_path=str(catalog) if catalog else None, **search)
+    )
 
 
 class BeamSearchConformance:
@@ -59,10 +63,14 @@ class BeamSearchConformance:
         requests = [engine.make_request(prompt=p, n=n) for p in PROMPTS]
         for req, res in zip(requests, engine.generate(requests)):
             got = [(c.codes, c.logprob) for c in res.choices]
-            ref = hf_beam_search(hf, req.prompt_ids, n, engine.layout, engine.catalog.codes, normalization)
+            ref = hf_beam_search(
+                hf, req.prompt_ids, n, engine.layout, engine.catalog.codes, normalization
+            )
             assert_same_ranking(got, ref, ATOL_LOGPROB)
 
-    def test_never_returns_an_invalid_sid(self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path) -> None:
+    def test_never_returns_an_invalid_sid(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
         path, _ = tiny_checkpoint(self.spec, example, LEVELS)
         codes = random_codes(60, seed=7)  # sparse: most random continuations are invalid
         engine = create_engine(path, write_catalog(tmp_path / "c.json", codes))
@@ -79,9 +87,7 @@ class BeamSearchConformance:
         assert returned == 4000 and invalid == 0, f"{invalid} invalid of {returned}"
         assert engine.runner.allocator.num_free == engine.runner.allocator.num_slots - 1
 
-    @pytest.mark.parametrize(
-        "kind", ["single-item", "single-child-chains", "fewer-items-than-n"]
-    )
+    @pytest.mark.parametrize("kind", ["single-item", "single-child-chains", "fewer-items-than-n"])
     def test_small_catalogs_return_every_item_exactly(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path, kind: str
     ) -> None:
@@ -118,19 +124,25 @@ class BeamSearchConformance:
                 (c.codes, round(c.logprob, 4)) for c in alone.choices
             ]
 
-    def test_sampling_is_seeded_and_valid(self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path) -> None:
+    def test_sampling_is_seeded_and_valid(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
         path, _ = tiny_checkpoint(self.spec, example, LEVELS)
         codes = random_codes(300, 2)
         engine = create_engine(path, write_catalog(tmp_path / "c.json", codes))
+
         def run(seed: int) -> list[tuple[int, ...]]:
             req = engine.make_request(prompt=PROMPTS[0], n=8, temperature=1.5, seed=seed)
             return [c.codes for c in engine.generate([req])[0].choices]
+
         first, again, other = run(11), run(11), run(12)
         assert first == again, "same seed must give the same beams"
         assert first != other, "different seeds gave identical samples (noise not applied?)"
         assert set(first) <= set(codes) and len(set(first)) == 8
 
-    def test_unconstrained_decodes_codebook_levels(self, example: ExampleConfig, tiny_checkpoint) -> None:
+    def test_unconstrained_decodes_codebook_levels(
+        self, example: ExampleConfig, tiny_checkpoint
+    ) -> None:
         path, hf = tiny_checkpoint(self.spec, example, LEVELS)
         engine = create_engine(path, None)
         req = engine.make_request(prompt=PROMPTS[1], n=4)

@@ -37,7 +37,10 @@ def build_tokenizer(level_sizes: Sequence[int], *, boundary: bool = True, chat: 
     tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in sid])
     if boundary:
         tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in ("<|sid_begin|>", "<|sid_end|>")]
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t in ("<|sid_begin|>", "<|sid_end|>")
+            ]
         )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",

@@ -108,14 +108,18 @@ class ModelConformance(BeamSearchConformance):
             assert any(p.data_ptr() == head.data_ptr() for p in embeds)
             assert torch.equal(head, embed.to(head.dtype))
 
-    def test_prefill_logits_match_transformers(self, example: ExampleConfig, tiny_checkpoint) -> None:
+    def test_prefill_logits_match_transformers(
+        self, example: ExampleConfig, tiny_checkpoint
+    ) -> None:
         path, hf = tiny_checkpoint(self.spec, example)
         runner = create_runner(path)
         got = engine_prefill_logits(runner, PROMPTS)
         for i, (g, r) in enumerate(zip(got, hf_logits(hf, PROMPTS))):
             assert_close_to_reference(g, r, PARITY_REL, f"prefill logits of prompt {i}")
 
-    def test_decode_logits_match_transformers(self, example: ExampleConfig, tiny_checkpoint) -> None:
+    def test_decode_logits_match_transformers(
+        self, example: ExampleConfig, tiny_checkpoint
+    ) -> None:
         path, hf = tiny_checkpoint(self.spec, example)
         runner = create_runner(path)
         got = engine_decode_logits(runner, PROMPTS, CONTINUATIONS)
@@ -139,7 +143,9 @@ class ModelConformance(BeamSearchConformance):
         path, _ = tiny_checkpoint(self.spec, example)
         online = create_runner(path, quantization="fp8")
         fp8_dir = tmp_path / "fp8"
-        quantized = write_fp8_checkpoint(Path(path), fp8_dir, self.spec, online.config, online.model)
+        quantized = write_fp8_checkpoint(
+            Path(path), fp8_dir, self.spec, online.config, online.model
+        )
         assert quantized, "the spec maps no checkpoint tensor onto a Linear"
         stored = create_runner(fp8_dir)  # quantization_config alone turns FP8 on
         assert stored.config.quantization is not None

@@ -66,7 +66,9 @@ class SidConstraint:
     def _allowed(self, generated: torch.Tensor, level: int) -> list[int] | None:
         if self.children is None:
             return None
-        codes = tuple(int(t) - self.layout.level_starts[d] for d, t in enumerate(generated.tolist()))
+        codes = tuple(
+            int(t) - self.layout.level_starts[d] for d, t in enumerate(generated.tolist())
+        )
         return self.children.get(codes, [])
 
 

@@ -33,7 +33,9 @@ def create_runner(path: str | Path, **overrides: Any) -> ModelRunner:
     return ModelRunner.from_config(EngineConfig(**settings))
 
 
-def engine_prefill_logits(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def engine_prefill_logits(
+    runner: ModelRunner, prompts: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
     """Logits for every prompt token through one batched prefill over the KV pool."""
     slots = [runner.allocator.alloc(len(p)) for p in prompts]
     try:

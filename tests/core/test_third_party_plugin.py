@@ -31,7 +31,7 @@ ToyForCausalLM = "flashrec_models_toy:spec"
 
 # A compact model of Qwen3's structure under a new architecture name, built only from
 # flashrec_core.layers: the checkpoint is a transformers Qwen3 one, loaded with --arch.
-PLUGIN = '''
+PLUGIN = """
 from torch import nn
 from flashrec_core.layers import (Attention, Embedding, Linear, RMSNorm, RotaryEmbedding,
                                   SiluAndMul, split_qkv)
@@ -108,7 +108,7 @@ spec = BaseModelSpec(
     model_class="flashrec_models_toy:ToyForCausalLM", hf_config_class="transformers:Qwen3Config",
     examples=(ExampleConfig("tiny", {}),),
 )
-'''
+"""
 
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
@@ -149,7 +149,9 @@ def test_third_party_plugin_installs_runs_and_uninstalls(tmp_path: Path) -> None
     ckpt = tmp_path / "ckpt"
     write_tiny_checkpoint(ckpt, TINY_QWEN3, level_sizes=(8, 8, 8))
     catalog = tmp_path / "catalog.json"
-    catalog.write_text(json.dumps({f"{a},{b},{a ^ b}": f"item{a}{b}" for a in range(8) for b in range(8)}))
+    catalog.write_text(
+        json.dumps({f"{a},{b},{a ^ b}": f"item{a}{b}" for a in range(8) for b in range(8)})
+    )
 
     assert "ToyForCausalLM" not in _listed()
     _pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(pkg))
@@ -168,7 +170,9 @@ def test_third_party_plugin_installs_runs_and_uninstalls(tmp_path: Path) -> None
             "--prompt", "w1 w2 w3", "-n", "5", "--json",
         )  # fmt: skip
         assert ref.returncode == 0, ref.stderr
-        assert [c["items"] for c in choices] == [c["items"] for c in json.loads(ref.stdout)["choices"]]
+        assert [c["items"] for c in choices] == [
+            c["items"] for c in json.loads(ref.stdout)["choices"]
+        ]
     finally:
         _pip("uninstall", "-y", "flashrec-models-toy")
     assert "ToyForCausalLM" not in _listed()

@@ -71,7 +71,9 @@ def test_gpu_beam_search_matches_transformers(
 
 def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:
     path, _, spec = checkpoint
-    cfg = EngineConfig(model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=4096)
+    cfg = EngineConfig(
+        model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=4096
+    )
     engine = Engine.from_config(cfg, SearchConfig())
     assert engine.runner.attn_backend.name == "flashinfer"
     assert set(engine.runner.loaded.context.fused) == {c.name for c in spec.capabilities}

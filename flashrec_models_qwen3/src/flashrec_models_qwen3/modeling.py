@@ -25,7 +25,10 @@ class Qwen3Attention(nn.Module):
         self.layer_id = layer_id
         self.num_q_heads, self.num_kv_heads = config.num_q_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        q_size, kv_size = config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = (
+            config.num_q_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        )
         self.qkv_proj = Linear(
             config.hidden_size, (q_size, kv_size, kv_size), bias=config.attention_bias, ctx=ctx
         )
@@ -33,7 +36,9 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, ctx) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, ctx) if config.qk_norm else None
         scale = config.head_dim**-0.5
-        self.attn = Attention(config.num_q_heads, config.num_kv_heads, config.head_dim, layer_id, scale)
+        self.attn = Attention(
+            config.num_q_heads, config.num_kv_heads, config.head_dim, layer_id, scale
+        )
 
     def forward(self, x, rotary: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -63,7 +68,9 @@ class Qwen3DecoderLayer(nn.Module):
         norm_args = dict(quantize_output=ctx.fp8_linear, fused_kernel=ctx.kernel("rms_norm_fp8"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, ctx, **norm_args)
         self.self_attn = Qwen3Attention(config, layer_id, ctx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, ctx, **norm_args)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.norm_eps, ctx, **norm_args
+        )
         self.mlp = Qwen3MLP(config, ctx)
 
     def forward(
@@ -105,8 +112,10 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config, ctx)
-        self.output_head = None if config.tie_word_embeddings else Embedding(
-            config.vocab_size, config.hidden_size, ctx
+        self.output_head = (
+            None
+            if config.tie_word_embeddings
+            else Embedding(config.vocab_size, config.hidden_size, ctx)
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

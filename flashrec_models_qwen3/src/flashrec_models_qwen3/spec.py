@@ -81,13 +81,24 @@ def _tiny(**overrides: Any) -> dict[str, Any]:
 BENCH_PRESETS = {
     # Qwen3-1.7B's shape with a 3 x 8192 SID vocabulary and two boundary tokens appended.
     "qwen3-1.7b": _tiny(
-        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rope_theta=1000000.0, vocab_size=151643 + 3 * 8192 + 2,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        vocab_size=151643 + 3 * 8192 + 2,
     ),
     "qwen3-small": _tiny(
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, max_position_embeddings=8192, vocab_size=1000 + 3 * 256 + 2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        vocab_size=1000 + 3 * 256 + 2,
     ),
 }
 
@@ -97,7 +108,9 @@ spec = BaseModelSpec(
     config_parser=parse_qwen3_config,
     weight_map=WeightMap(
         buckets=(
-            Bucket("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            Bucket(
+                "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            ),
             Bucket("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
         ),
         renames=(("lm_head.", "output_head."),),
@@ -115,8 +128,11 @@ spec = BaseModelSpec(
             "yarn-bias",
             _tiny(
                 attention_bias=True,
-                rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                              "original_max_position_embeddings": 256},
+                rope_scaling={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                },
             ),
         ),  # fmt: skip
     ),

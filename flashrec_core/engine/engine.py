@@ -16,7 +16,7 @@ from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import BeamWave, WaveOutput
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import Choice, GenerationRequest, GenerationResult
-from flashrec_core.registry import Registry
+from flashrec_core.registry import Registry, load_hf_config
 from flashrec_core.search.catalog import Catalog, load_catalog
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout, infer_sid_layout
@@ -58,7 +58,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         search = search or SearchConfig()
-        tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path)
+        load_hf_config(engine_config.model_path)  # a clear error before the tokenizer's
+        tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path, local_files_only=True)
         catalog, layout = _load_layout_and_catalog(tokenizer, search)
         runner = ModelRunner.from_config(engine_config, registry)
         return cls(runner, tokenizer, layout, catalog, search)

@@ -1,0 +1,99 @@
+"""`flashrec demo` + `flashrec generate` end to end, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashrec_core.cli import main
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "model"
+    assert main(["demo", str(path), "--items", "300", "--level-sizes", "16,16,16"]) == 0
+    return path
+
+
+def _generate(demo: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
+    code = main(["generate", "--model-path", str(demo), "--device", "cpu", *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_returns_ranked_catalog_items(demo: Path, capsys) -> None:
+    catalog = json.loads((demo / "catalog.json").read_text())
+    code, out, _ = _generate(
+        demo,
+        capsys,
+        "--catalog",
+        str(demo / "catalog.json"),
+        "--prompt",
+        "user w1 w2",
+        "-n",
+        "7",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    choices = result["choices"]
+    assert len(choices) == 7 and [c["index"] for c in choices] == list(range(7))
+    assert set(choices[0]) == {"index", "text", "token_ids", "items", "logprob", "score"}
+    logprobs = [c["logprob"] for c in choices]
+    assert logprobs == sorted(logprobs, reverse=True)
+    for c in choices:
+        codes = ",".join(part.split("_")[2] for part in c["text"].strip("<>").split("><"))
+        assert c["items"] == [catalog[codes]], "items must be the catalog's ids for that SID"
+        assert len(c["token_ids"]) == 3
+        assert c["score"] == pytest.approx(c["logprob"] / 3)
+    assert result["usage"]["completion_tokens"] == 21
+
+
+def test_generate_messages_json_and_text_output(demo: Path, tmp_path: Path, capsys) -> None:
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "history w3 w4"}]))
+    code, out, _ = _generate(
+        demo,
+        capsys,
+        "--catalog",
+        str(demo / "catalog.json"),
+        "--messages-json",
+        str(messages),
+        "-n",
+        "3",
+    )
+    assert code == 0 and out.count("items: item-") == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--catalog", "/nonexistent.json", "--prompt", "w1"], "/nonexistent.json"),
+        (["--prompt", "w1", "--max-tokens", "2"], "--max-tokens 2 is shorter than the SID depth 3"),
+        (["--prompt", "w1", "--arch", "NopeForCausalLM"], "unknown architecture 'NopeForCausalLM'"),
+        (["--prompt", "w1", "--sid-level-sizes", "16,8,16"], "16"),
+    ],
+    ids=["missing-catalog", "max-tokens", "unknown-arch", "level-size-conflict"],
+)
+def test_generate_errors_name_the_problem(
+    demo: Path, capsys, args: list[str], message: str
+) -> None:
+    code, _, err = _generate(demo, capsys, *args)
+    assert code == 2
+    assert message in err, err
+
+
+def test_bad_catalog_key_is_named(demo: Path, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"1,2,3": "a", "1,99,3": "b"}))
+    code, _, err = _generate(demo, capsys, "--catalog", str(bad), "--prompt", "w1")
+    assert code == 2 and "1,99,3" in err and str(bad) in err
+
+
+def test_missing_model_path_is_named(tmp_path: Path, capsys) -> None:
+    code = main(
+        ["generate", "--model-path", str(tmp_path / "nope"), "--prompt", "w1", "--device", "cpu"]
+    )
+    assert code == 2 and str(tmp_path / "nope") in capsys.readouterr().err

@@ -30,6 +30,8 @@ class EngineConfig(BaseModel):
     kv_cache_tokens: int | None = Field(default=None, gt=1)
     """Token slots in the KV pool; None sizes it from free memory (CUDA) or 65,536 (CPU)."""
     mem_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    prefix_cache: bool = True
+    """Reuse the KV of prompt prefixes seen before (radix tree, LRU eviction)."""
     cascade_attention: bool = True
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
     max_requests: int = Field(default=1024, gt=0)

@@ -15,6 +15,7 @@ import torch
 
 from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
     BeamLayout,
     Selection,
@@ -58,28 +59,71 @@ class BeamWave:
 
     def run(self, requests: list[GenerationRequest]) -> WaveOutput:
         runner, device = self.runner, self.runner.device
-        allocator, table = runner.allocator, runner.request_table
+        allocator, table, cache = runner.allocator, runner.request_table, runner.prefix_cache
         prompt_slots: list[torch.Tensor] = []
+        cached_lens: list[int] = []
+        locked: list[RadixNode] = []
         table_rows: list[int] = []
         decode_slots = None
+        done = False
         try:
             for req in requests:
-                prompt_slots.append(allocator.alloc(len(req.prompt_ids)))
+                cached = torch.empty(0, dtype=torch.int64)
+                if cache is not None:  # at least the last prompt token is computed
+                    cached, node = cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
+                    cache.lock(node)
+                    locked.append(node)
+                new = self._alloc(len(req.prompt_ids) - cached.numel())
+                prompt_slots.append(torch.cat([cached, new]))
+                cached_lens.append(cached.numel())
                 table_rows.append(table.add(prompt_slots[-1]))
             num_rows = sum(r.n for r in requests)
             steps = self.trie.depth - 1
-            decode_slots = allocator.alloc(num_rows * steps).view(num_rows, steps)
-            return self._search(requests, table_rows, decode_slots.to(device))
+            decode_slots = self._alloc(num_rows * steps).view(num_rows, steps)
+            out = self._search(requests, table_rows, cached_lens, decode_slots.to(device))
+            done = True
+            return out
         finally:
-            for s in prompt_slots:
-                allocator.free(s)
-            for row in table_rows:
-                table.remove(row)
+            self._release(requests, prompt_slots, cached_lens, locked, table_rows, done)
             if decode_slots is not None:
                 allocator.free(decode_slots)
 
+    def _alloc(self, n: int) -> torch.Tensor:
+        """Slots from the pool, evicting unused cached prefixes when it runs short."""
+        allocator, cache = self.runner.allocator, self.runner.prefix_cache
+        if cache is not None and allocator.num_free < n:
+            cache.evict(n - allocator.num_free)
+        return allocator.alloc(n)
+
+    def _release(
+        self,
+        requests: list[GenerationRequest],
+        prompt_slots: list[torch.Tensor],
+        cached_lens: list[int],
+        locked: list[RadixNode],
+        table_rows: list[int],
+        done: bool,
+    ) -> None:
+        """Prompt slots go to the prefix cache after a successful wave; otherwise (or without a
+        cache) the newly computed ones are freed. Cached prefixes are unlocked either way."""
+        cache = self.runner.prefix_cache
+        for req, slots, cached in zip(requests, prompt_slots, cached_lens):
+            if cache is not None and done:
+                cache.insert(req.prompt_ids, slots)
+            else:
+                self.runner.allocator.free(slots[cached:])
+        for node in locked:
+            assert cache is not None, "only a cache locks nodes"
+            cache.unlock(node)
+        for row in table_rows:
+            self.runner.request_table.remove(row)
+
     def _search(
-        self, requests: list[GenerationRequest], table_rows: list[int], decode_slots: torch.Tensor
+        self,
+        requests: list[GenerationRequest],
+        table_rows: list[int],
+        cached_lens: list[int],
+        decode_slots: torch.Tensor,
     ) -> WaveOutput:
         device = self.runner.device
         prompts = [list(r.prompt_ids) for r in requests]
@@ -88,7 +132,7 @@ class BeamWave:
         beams = BeamLayout.create([r.n for r in requests], device)
         slots = [self.runner.request_table.get(row) for row in table_rows]
         self._mark("start")
-        step = prepare_prefill(prompts, [s.cpu() for s in slots])
+        step = prepare_prefill(prompts, [s.cpu() for s in slots], cached_lens)
         hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
         sel = self._select(hidden, 0, torch.zeros(len(requests), device=device),
                            torch.zeros(len(requests), dtype=torch.int64, device=device),

@@ -9,7 +9,7 @@ import torch
 from flashrec_core.attention import AttentionBackend, create_attention_backend
 from flashrec_core.config import EngineConfig
 from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
-from flashrec_core.kvcache import KVPool, RequestTable, SlotAllocator
+from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocator
 from flashrec_core.layers import ForwardBatch
 from flashrec_core.registry import Registry
 
@@ -61,6 +61,7 @@ class ModelRunner:
         ecfg = loaded.engine_config
         max_context = ecfg.max_context or self.config.max_position
         self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
+        self.prefix_cache = RadixCache(self.allocator) if ecfg.prefix_cache else None
         cfg = self.config
         self.attn_backend: AttentionBackend = create_attention_backend(
             ecfg.attention_backend, self.device, num_q_heads=cfg.num_q_heads,

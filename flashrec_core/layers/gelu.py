@@ -33,5 +33,6 @@ class GeluTanh(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         if self.fused_kernel is not None:
             return QuantizedActivation(*self.fused_kernel(x))
-        out = gelu_tanh(x)
-        return quantize_per_token(out) if self.quantize_output else out
+        if not self.quantize_output:
+            return gelu_tanh(x)
+        return quantize_per_token(gelu_tanh(x.float()))  # fp32, like the fused kernel

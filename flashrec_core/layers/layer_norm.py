@@ -60,5 +60,8 @@ class LayerNorm(nn.Module):
             return QuantizedActivation(data, scale), x if new_residual is None else new_residual
         if residual is not None:
             x = x + residual
-        out = layer_norm(x, self.weight, self.bias, self.eps)
-        return (quantize_per_token(out) if self.quantize_output else out), x
+        if not self.quantize_output:
+            return layer_norm(x, self.weight, self.bias, self.eps), x
+        # Quantize the fp32 output, like the fused kernel: no detour through x's dtype.
+        bias = None if self.bias is None else self.bias.float()
+        return quantize_per_token(layer_norm(x.float(), self.weight.float(), bias, self.eps)), x

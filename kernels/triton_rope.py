@@ -98,29 +98,33 @@ def _rope_norm_store_kernel(
         )
         _store(rows, valid, o1, o2, x, HAS_Q_NORM, D, HALF, BLOCK_D, BLOCK_H)
     else:
-        group -= num_q_groups
-        rows, valid = _head_tile(
-            k_ptr + tok * k_stride_t, k_stride_h, group, NUM_KV_HEADS, KV_HEADS
+        # NOTE: names differ from the q branch: Triton needs one type per name across branches,
+        # and the q and kv head tiles have different shapes.
+        kv_group = group - num_q_groups
+        k_rows, k_valid = _head_tile(
+            k_ptr + tok * k_stride_t, k_stride_h, kv_group, NUM_KV_HEADS, KV_HEADS
         )
-        o1, o2, x = _norm_rope(
-            rows, valid, kw_ptr, cos, sin, eps, D, HALF, HAS_K_NORM, BLOCK_D, BLOCK_H
+        k1, k2, kx = _norm_rope(
+            k_rows, k_valid, kw_ptr, cos, sin, eps, D, HALF, HAS_K_NORM, BLOCK_D, BLOCK_H
         )
-        _store(rows, valid, o1, o2, x, HAS_K_NORM, D, HALF, BLOCK_D, BLOCK_H)
+        _store(k_rows, k_valid, k1, k2, kx, HAS_K_NORM, D, HALF, BLOCK_D, BLOCK_H)
         # The cache gets k exactly as stored in place (rounded to k's dtype), then cast.
         k_dtype = k_ptr.dtype.element_ty
-        o1 = cast_for_store(o1, k_dtype).to(tl.float32)
-        o2 = cast_for_store(o2, k_dtype).to(tl.float32)
-        x = cast_for_store(x, k_dtype).to(tl.float32)
+        k1 = cast_for_store(k1, k_dtype).to(tl.float32)
+        k2 = cast_for_store(k2, k_dtype).to(tl.float32)
+        kx = cast_for_store(kx, k_dtype).to(tl.float32)
         slot = tl.load(loc_ptr + tok).to(tl.int64)
         kc_base = k_cache_ptr + slot * kc_stride_s
-        kc_rows, _ = _head_tile(kc_base, kc_stride_h, group, NUM_KV_HEADS, KV_HEADS)
-        _store(kc_rows, valid, o1, o2, x, True, D, HALF, BLOCK_D, BLOCK_H)
+        kc_rows, _ = _head_tile(kc_base, kc_stride_h, kv_group, NUM_KV_HEADS, KV_HEADS)
+        _store(kc_rows, k_valid, k1, k2, kx, True, D, HALF, BLOCK_D, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
-        mask_d = valid & (offs_d < D)
-        v_rows, _ = _head_tile(v_ptr + tok * v_stride_t, v_stride_h, group, NUM_KV_HEADS, KV_HEADS)
+        mask_d = k_valid & (offs_d < D)
+        v_rows, _ = _head_tile(
+            v_ptr + tok * v_stride_t, v_stride_h, kv_group, NUM_KV_HEADS, KV_HEADS
+        )
         v = tl.load(v_rows + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         vc_base = v_cache_ptr + slot * vc_stride_s
-        vc_rows, _ = _head_tile(vc_base, vc_stride_h, group, NUM_KV_HEADS, KV_HEADS)
+        vc_rows, _ = _head_tile(vc_base, vc_stride_h, kv_group, NUM_KV_HEADS, KV_HEADS)
         tl.store(vc_rows + offs_d, cast_for_store(v, v_cache_ptr.dtype.element_ty), mask=mask_d)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashrec_core.layers.quant import QuantizedActivation, quantize_per_token
+from flashrec_core.layers.quant import QuantizedActivation
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,11 @@ class SiluAndMul(nn.Module):
         self.fused_kernel = fused_kernel if quantize_output else None
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
-        if self.fused_kernel is not None:
-            return QuantizedActivation(*self.fused_kernel(gate_up))
-        out = silu_and_mul(gate_up)
-        return quantize_per_token(out) if self.quantize_output else out
+        if self.quantize_output:
+            # Fallback = the fused kernel's torch reference (no intermediate bf16 rounding).
+            if self.fused_kernel is not None:
+                return QuantizedActivation(*self.fused_kernel(gate_up))
+            from flashrec_kernels import silu_mul_quant_fp8_ref
+
+            return QuantizedActivation(*silu_mul_quant_fp8_ref(gate_up))
+        return silu_and_mul(gate_up)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
-from flashrec_core.layers.quant import QuantizedActivation, quantize_per_token
+from flashrec_core.layers.quant import QuantizedActivation
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,10 +46,18 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
-        if self.fused_kernel is not None:
-            data, scale, new_residual = self.fused_kernel(x, self.weight, self.eps, residual)
+        if self.quantize_output:
+            # The fallback is the fused kernel's torch reference: same math, same FP8 rounding
+            # (normalized in fp32 and quantized without an intermediate bf16 rounding).
+            kernel = self.fused_kernel or _rms_norm_quant_ref()
+            data, scale, new_residual = kernel(x, self.weight, self.eps, residual)
             return QuantizedActivation(data, scale), x if new_residual is None else new_residual
         if residual is not None:
             x = x + residual
-        out = rms_norm(x, self.weight, self.eps)
-        return (quantize_per_token(out) if self.quantize_output else out), x
+        return rms_norm(x, self.weight, self.eps), x
+
+
+def _rms_norm_quant_ref() -> Callable[..., Any]:
+    from flashrec_kernels import rms_norm_quant_fp8_ref
+
+    return rms_norm_quant_fp8_ref

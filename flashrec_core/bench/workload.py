@@ -99,12 +99,14 @@ class RequestSpec:
 
 
 def synthetic_requests(
-    spec: RequestSpec, layout: SidLayout, seed: int = 0
+    spec: RequestSpec, layout: SidLayout, seed: int = 0, body_seed: int | None = None
 ) -> list[GenerationRequest]:
-    """Prompts of random ordinary tokens, the first `shared_prefix` identical in all, ending in
-    <|sid_begin|>."""
+    """Prompts of random ordinary tokens, the first `shared_prefix` identical in all (drawn from
+    `seed`), the rest drawn from `body_seed` (default: seed), ending in <|sid_begin|>."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, layout.sid_start, size=spec.shared_prefix).tolist()
+    if body_seed is not None:
+        rng = np.random.default_rng(body_seed)
     body = spec.prompt_len - spec.shared_prefix - 1
     out = []
     for _ in range(spec.num_requests):

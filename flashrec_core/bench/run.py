@@ -105,6 +105,7 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         "config": asdict(bc),
         "gpu": torch.cuda.get_device_name(),
         "waves": len(waves),
+        "wave_end_ms": wave_ms,
         "requests_per_s": bc.num_requests / total_s,
         "prefill_tokens_per_s": bc.num_requests * bc.prompt_len / (sum(stages["prefill"]) / 1e3),
         "prefill_ms_per_wave": float(np.mean(stages["prefill"])),

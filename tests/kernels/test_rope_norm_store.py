@@ -139,16 +139,6 @@ def test_kernel_matches_ref(device: torch.device, case: str) -> None:
     _check_kernel_against_ref(device, CASES[case], hq=4, hkv=2)  # GQA
 
 
-def test_kernel_head_groups_with_partial_tail(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Several programs per token, the last group only partly filled (real models at D=128)."""
-    from flashrec_kernels import triton_rope
-
-    monkeypatch.setattr(triton_rope, "_TILE_ELEMS", 128)  # D=64: 2 heads per program
-    _check_kernel_against_ref(device, CASES["bf16-partial-norm-fp8cache"], hq=6, hkv=3)
-
-
 def test_kernel_empty_batch(device: torch.device) -> None:
     x = _qkv_views(torch.empty(0, 4 * 64, device=device), 2, 1, 64)
     caches = torch.zeros(2, NUM_SLOTS, 1, 64, device=device)

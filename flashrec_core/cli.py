@@ -238,7 +238,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog_convert(args: argparse.Namespace) -> int:
-    from flashrec_core.search.catalog import convert_packed_catalog
+    from flashrec_core.search import convert_packed_catalog
 
     level_sizes = _int_list(args.level_sizes)
     assert level_sizes is not None, "--level-sizes is required"

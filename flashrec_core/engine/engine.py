@@ -17,7 +17,8 @@ from flashrec_core.engine.beam_wave import BeamWave, WaveOutput
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import Choice, GenerationRequest, GenerationResult
 from flashrec_core.registry import Registry, load_hf_config
-from flashrec_core.search.catalog import Catalog, load_catalog
+from flashrec_core.search.catalog import Catalog
+from flashrec_core.search.catalog_formats import load_catalog
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout, infer_sid_layout
 from flashrec_core.search.trie import Trie, build_trie

@@ -1,7 +1,8 @@
 """SID layout, catalogs, the catalog trie, the restricted LM head and beam selection."""
 
 from flashrec_core.search.beam import BeamLayout, Selection, candidate_scores, select_beams
-from flashrec_core.search.catalog import Catalog, CatalogError, convert_packed_catalog, load_catalog
+from flashrec_core.search.catalog import Catalog, CatalogError, build_catalog
+from flashrec_core.search.catalog_formats import convert_packed_catalog, load_catalog
 from flashrec_core.search.lm_head import Normalization, RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout, SidLayoutError, infer_sid_layout
 from flashrec_core.search.trie import CsrTrie, DenseTrie, Trie, TrieChildren, TrieError, build_trie
@@ -22,6 +23,7 @@ __all__ = [
     "TrieChildren",
     "TrieError",
     "UnconstrainedTrie",
+    "build_catalog",
     "build_trie",
     "candidate_scores",
     "convert_packed_catalog",

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashrec_core.search.catalog import (
+from flashrec_core.search import (
     CatalogError,
     build_catalog,
     convert_packed_catalog,

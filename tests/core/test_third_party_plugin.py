@@ -35,8 +35,8 @@ PLUGIN = """
 from torch import nn
 from flashrec_core.layers import (Attention, Embedding, Linear, RMSNorm, RotaryEmbedding,
                                   SiluAndMul, split_qkv)
-from flashrec_core.spec import (BaseModelSpec, Bucket, ExampleConfig, ModelConfig, WeightMap,
-                                parse_rope, require_field)
+from flashrec_core.hf_config import parse_rope, require_field
+from flashrec_core.spec import BaseModelSpec, Bucket, ExampleConfig, ModelConfig, WeightMap
 
 
 def parse(hf):

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flashrec_core.fused import RMS_NORM_FP8, ROPE_KV, SILU_MUL_FP8
+from flashrec_core.hf_config import parse_dtype, parse_quantization, parse_rope, require_field
 from flashrec_core.spec import (
     BaseModelSpec,
     Bucket,
@@ -17,10 +18,6 @@ from flashrec_core.spec import (
     ExampleConfig,
     ModelConfig,
     WeightMap,
-    parse_dtype,
-    parse_quantization,
-    parse_rope,
-    require_field,
 )
 
 LLAMA_ARCH = "LlamaForCausalLM"

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from flashrec_core.fused import ROPE_KV
+from flashrec_core.hf_config import parse_dtype, parse_quantization, parse_rope, require_field
 from flashrec_core.spec import (
     BaseModelSpec,
     Bucket,
@@ -14,10 +15,6 @@ from flashrec_core.spec import (
     FusedPath,
     ModelConfig,
     WeightMap,
-    parse_dtype,
-    parse_quantization,
-    parse_rope,
-    require_field,
 )
 
 ARCH = "PhiForCausalLM"

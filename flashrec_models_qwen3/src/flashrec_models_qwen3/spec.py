@@ -6,18 +6,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from flashrec_core.fused import QK_NORM_ROPE_KV, RMS_NORM_FP8, SILU_MUL_FP8
-from flashrec_core.spec import (
-    BaseModelSpec,
-    Bucket,
-    ExampleConfig,
-    ModelConfig,
-    WeightMap,
+from flashrec_core.hf_config import (
     optional_field,
     parse_dtype,
     parse_quantization,
     parse_rope,
     require_field,
 )
+from flashrec_core.spec import BaseModelSpec, Bucket, ExampleConfig, ModelConfig, WeightMap
 
 ARCH = "Qwen3ForCausalLM"
 

@@ -72,6 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf-requests", type=int, default=8)
     bench.add_argument("--hf-batch", type=int, default=4)
     bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.add_argument(
+        "--profile", default=None, help="write a torch.profiler table of one wave here"
+    )
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
@@ -222,6 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
         cascade=not args.no_cascade, rows_per_wave=args.rows_per_wave,
         hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
+        profile_path=args.profile,
     )  # fmt: skip
     main_bench(bc, args.out)
     return 0

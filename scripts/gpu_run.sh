@@ -13,14 +13,16 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" ||
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 if [[ $what == tests || $what == all ]]; then
+  # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each): give this
+  # stage several minutes on a fresh machine.
   python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels tests/core/test_trie.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
   for p in flashrec_models_*/; do
     python3 -m pytest -q -p no:cacheprovider "$p/tests" -k "fused_paths or gpu" 2>&1 | tail -3
   done
 fi
 if [[ $what == bench || $what == all ]]; then
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --out "$out/bench_n50.json" 2>&1 | tee "$out/bench_n50.log"
-  flashrec bench --preset qwen3-1.7b -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tee "$out/bench_n512.log"
+  flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25
+  flashrec bench --preset qwen3-1.7b -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25
 fi
 if [[ $what == ablations || $what == all ]]; then
   flashrec bench --preset qwen3-1.7b -n 50 --requests 320 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16

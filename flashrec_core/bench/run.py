@@ -47,6 +47,8 @@ class BenchConfig:
     hf_requests: int = 8
     hf_batch: int = 4
     seed: int = 0
+    profile_path: str | None = None
+    """Write a torch.profiler table (CUDA and CPU time per op) of one extra wave here."""
 
 
 def _waves(requests: list[GenerationRequest], rows: int) -> list[list[GenerationRequest]]:
@@ -118,6 +120,8 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         "fused_paths": sorted(runner.loaded.context.fused),
     }
     result.update(_roofline(bc, runner, waves, total_s))
+    if bc.profile_path:
+        _profile(wave, waves[0], bc.profile_path)
     if bc.hf_baseline:
         from flashrec_core.bench.hf_baseline import hf_requests_per_s
 
@@ -127,6 +131,20 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         result["hf_requests_per_s"] = hf_rps
         result["speedup_vs_hf"] = result["requests_per_s"] / hf_rps
     return result
+
+
+def _profile(wave: BeamWave, requests: list[GenerationRequest], path: str) -> None:
+    """One more wave under torch.profiler: where the step time goes (kernels vs host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wave.timeline = None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wave.run(requests)
+        torch.cuda.synchronize()
+    by_cuda = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    with open(path, "w") as f:
+        f.write("# sorted by CUDA time\n" + by_cuda + "\n# sorted by CPU time\n" + by_cpu)
 
 
 def _stage_times(marks: list[tuple[str, torch.cuda.Event]]) -> dict[str, list[float]]:

@@ -109,6 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument(
@@ -147,7 +148,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         model_path=args.model_path, arch=args.arch, device=args.device, dtype=args.dtype,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
-        mem_fraction=args.mem_fraction, disabled_fused=tuple(args.disable_fused),
+        mem_fraction=args.mem_fraction, max_context=args.max_context,
+        disabled_fused=tuple(args.disable_fused),
         prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade, **known,
     )  # fmt: skip
 

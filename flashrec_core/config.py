@@ -36,6 +36,7 @@ class EngineConfig(BaseModel):
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
     max_requests: int = Field(default=1024, gt=0)
     max_context: int | None = Field(default=None, gt=0)
+    """Longest prompt in tokens; default: the model's max_position_embeddings, capped at 16,384."""
     enable_fused_rms_fp8: bool = True
     enable_fused_silu_fp8: bool = True
     enable_fused_qk_rope_kv: bool = True

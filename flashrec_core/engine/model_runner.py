@@ -47,6 +47,9 @@ class StepInput:
     shared_prefix: SharedPrefix | None = None
 
 
+DEFAULT_MAX_CONTEXT = 16_384
+
+
 class ModelRunner:
     """Owns the model, its KV pool, slot allocator, request table and attention backend."""
 
@@ -59,7 +62,7 @@ class ModelRunner:
         self.kv_pool: KVPool = create_kv_pool(loaded)
         self.allocator = SlotAllocator(self.kv_pool.num_slots)
         ecfg = loaded.engine_config
-        max_context = ecfg.max_context or self.config.max_position
+        max_context = ecfg.max_context or min(self.config.max_position, DEFAULT_MAX_CONTEXT)
         self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
         self.prefix_cache = RadixCache(self.allocator) if ecfg.prefix_cache else None
         cfg = self.config

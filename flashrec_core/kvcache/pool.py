@@ -84,7 +84,8 @@ class RequestTable:
     """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
-        self.slots = torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+        # int32: slot ids fit, and the table is max_requests x max_context entries.
+        self.slots = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
         self.lengths = [0] * max_requests
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_context = max_context
@@ -94,7 +95,8 @@ class RequestTable:
             raise OutOfSlotsError(f"request table is full ({len(self.lengths)} requests)")
         if slots.numel() > self.max_context:
             raise OutOfSlotsError(
-                f"prompt of {slots.numel()} tokens exceeds the context limit {self.max_context}"
+                f"prompt of {slots.numel()} tokens exceeds the context limit {self.max_context}; "
+                "raise --max-context (EngineConfig.max_context)"
             )
         row = self._free_rows.pop()
         self.slots[row, : slots.numel()] = slots.to(self.slots.device)
@@ -102,7 +104,7 @@ class RequestTable:
         return row
 
     def get(self, row: int) -> torch.Tensor:
-        return self.slots[row, : self.lengths[row]]
+        return self.slots[row, : self.lengths[row]].long()
 
     def remove(self, row: int) -> None:
         if row in self._free_rows:

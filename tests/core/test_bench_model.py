@@ -1,0 +1,61 @@
+"""The benchmark's workload and roofline model (the timed run itself needs CUDA: tests/gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashrec_core.bench.roofline import Peaks, wave_cost
+from flashrec_core.bench.workload import (
+    RequestSpec,
+    load_shape,
+    random_catalog,
+    sid_layout_at_end,
+    synthetic_requests,
+)
+from flashrec_core.registry import Registry
+
+PEAKS = Peaks(gemm_flops=1e15, copy_bytes=4e12)
+
+
+def _config():
+    shape = load_shape("qwen3-1.7b", None)
+    return Registry.discover().resolve(shape["architectures"][0]).parse_config(shape)
+
+
+def test_preset_comes_from_a_plugin_and_unknown_presets_are_named() -> None:
+    assert load_shape("qwen3-1.7b", None)["num_hidden_layers"] == 28
+    with pytest.raises(ValueError, match="unknown bench preset 'nope'.*qwen3-1.7b"):
+        load_shape("nope", None)
+
+
+def test_prefill_flops_match_the_parameter_count() -> None:
+    cfg = _config()
+    cost = wave_cost(cfg, PEAKS, [1024], [1], (8192,), weight_bytes=0, kv_bytes=1, cascade=True)
+    h, layers, inter = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+    q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    params = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)  # ~1.41e9 for this shape
+    attention = 4 * q * layers * 1024 * 1025 / 2
+    head = 2 * 8192 * h
+    assert cost.flops == pytest.approx(2 * params * 1024 + attention + head)
+
+
+def test_cascade_reads_each_prompt_once_per_request() -> None:
+    cfg, args = _config(), ([1024] * 4, [64] * 4, (8192, 8192, 8192), 1.7e9, 1)
+    flat = wave_cost(cfg, PEAKS, *args, cascade=False)
+    cascade = wave_cost(cfg, PEAKS, *args, cascade=True)
+    kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
+    # 2 decode steps, each reading 4 prompts x 1024 tokens x 63 extra beams less with cascade
+    assert flat.bytes - cascade.bytes == pytest.approx(2 * 4 * 1024 * 63 * kv_per_token)
+    assert cascade.floor_seconds < flat.floor_seconds
+
+
+def test_synthetic_catalog_and_requests() -> None:
+    codes = random_catalog((64, 64, 64), 5000, seed=1)
+    assert codes.shape == (5000, 3) and len(np.unique(codes, axis=0)) == 5000
+    assert np.all(np.diff(codes[:, 0]) >= 0), "sorted like Catalog.codes"
+    layout = sid_layout_at_end(1000 + 3 * 64 + 2, (64, 64, 64))
+    reqs = synthetic_requests(RequestSpec(3, 100, 16, 8), layout)
+    assert all(len(r.prompt_ids) == 100 and r.prompt_ids[-1] == layout.begin_token_id for r in reqs)
+    assert len({r.prompt_ids[:16] for r in reqs}) == 1 and len({r.prompt_ids for r in reqs}) == 3
+    assert max(max(r.prompt_ids[:-1]) for r in reqs) < layout.sid_start

@@ -1,0 +1,21 @@
+"""`flashrec bench` end to end on CUDA with a small shape (the real figures: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashrec_core.bench import BenchConfig, run_bench
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bench_reports_every_field() -> None:
+    bc = BenchConfig(
+        preset="qwen3-small", prompt_len=128, shared_prefix=16, n=8, num_requests=24,
+        catalog_size=5000, level_sizes=(256, 256, 256), rows_per_wave=64, hf_requests=2, hf_batch=2,
+    )  # fmt: skip
+    result = run_bench(bc)
+    assert result["waves"] == 3 and len(result["wave_end_ms"]) == 3
+    assert result["requests_per_s"] > 0 and result["hf_requests_per_s"] > 0
+    assert 0 < result["percent_of_roofline"] < 100
+    assert result["eager_steps"] == 6 and result["graph_replays"] == 0

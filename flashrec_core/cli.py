@@ -110,6 +110,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
+    p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument(
@@ -149,6 +150,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
         mem_fraction=args.mem_fraction, max_context=args.max_context,
+        max_wave_rows=args.max_wave_rows,
         disabled_fused=tuple(args.disable_fused),
         prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade, **known,
     )  # fmt: skip

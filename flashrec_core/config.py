@@ -35,6 +35,8 @@ class EngineConfig(BaseModel):
     cascade_attention: bool = True
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
     max_requests: int = Field(default=1024, gt=0)
+    max_wave_rows: int = Field(default=8192, gt=0)
+    """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""
     max_context: int | None = Field(default=None, gt=0)
     """Longest prompt in tokens; default: the model's max_position_embeddings, capped at 16,384."""
     enable_fused_rms_fp8: bool = True

@@ -24,6 +24,7 @@ from flashrec_core.config import EngineConfig
 from flashrec_core.engine.beam_wave import BeamWave
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.engine.scheduler import plan_waves
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.trie import build_trie
 
@@ -51,15 +52,6 @@ class BenchConfig:
     """Write a torch.profiler table (CUDA and CPU time per op) of one extra wave here."""
 
 
-def _waves(requests: list[GenerationRequest], rows: int) -> list[list[GenerationRequest]]:
-    waves: list[list[GenerationRequest]] = [[]]
-    for req in requests:
-        if waves[-1] and sum(r.n for r in waves[-1]) + req.n > rows:
-            waves.append([])
-        waves[-1].append(req)
-    return waves
-
-
 def _build(bc: BenchConfig) -> tuple[BeamWave, Any]:
     shape = load_shape(bc.preset, bc.config_path)
     per_wave = bc.rows_per_wave // bc.n
@@ -84,7 +76,11 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     requests = synthetic_requests(
         RequestSpec(bc.num_requests, bc.prompt_len, bc.shared_prefix, bc.n), layout, bc.seed
     )
-    waves = _waves(requests, bc.rows_per_wave)
+    plan = plan_waves(
+        requests, depth=len(bc.level_sizes), max_rows=bc.rows_per_wave,
+        max_requests=len(runner.request_table.lengths), kv_slots=runner.allocator.num_slots - 1,
+    )  # fmt: skip
+    waves = [[requests[i] for i in wave] for wave in plan]
     # Warm-up (JIT compiles, allocator growth) on other prompts with the same shared prefix, so
     # the measured waves find only that prefix in the prefix cache, never a whole prompt.
     warm = RequestSpec(len(waves[0]), bc.prompt_len, bc.shared_prefix, bc.n)

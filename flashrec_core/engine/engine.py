@@ -16,6 +16,7 @@ from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import BeamWave, WaveOutput
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import Choice, GenerationRequest, GenerationResult
+from flashrec_core.engine.scheduler import plan_waves
 from flashrec_core.registry import Registry, load_hf_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
@@ -106,7 +107,8 @@ class Engine:
         return GenerationRequest(tuple(ids), n, temperature, seed)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Run beam search for every request (one wave) and return ranked results."""
+        """Run beam search for every request, packed into waves that share each forward step;
+        results come back in request order."""
         if not requests:
             return []
         limit = self.runner.config.max_position
@@ -116,8 +118,16 @@ class Engine:
                     f"prompt of {len(req.prompt_ids)} tokens + {self.trie.depth} SID tokens "
                     f"exceeds the model's max_position_embeddings {limit}"
                 )
-        out = self.wave.run(list(requests))
-        return self._results(list(requests), out)
+        runner = self.runner
+        waves = plan_waves(
+            requests, depth=self.trie.depth, max_rows=runner.loaded.engine_config.max_wave_rows,
+            max_requests=len(runner.request_table.lengths), kv_slots=runner.allocator.num_slots - 1,
+        )  # fmt: skip
+        results: list[GenerationResult] = []
+        for wave in waves:
+            batch = [requests[i] for i in wave]
+            results.extend(self._results(batch, self.wave.run(batch)))
+        return results
 
     def _results(
         self, requests: list[GenerationRequest], out: WaveOutput

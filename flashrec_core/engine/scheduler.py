@@ -1,0 +1,42 @@
+"""Packing requests into beam waves: every request of a wave shares each forward step.
+
+A wave is bounded by beam rows (`max_wave_rows`: activations and the selection grid grow with
+them), by request-table rows, and by KV slots (prompt + n x (depth - 1) decode slots per
+request). Requests are packed greedily in arrival order, so results keep a stable latency order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.kvcache import OutOfSlotsError
+
+
+def plan_waves(
+    requests: Sequence[GenerationRequest],
+    *,
+    depth: int,
+    max_rows: int,
+    max_requests: int,
+    kv_slots: int,
+) -> list[list[int]]:
+    """Indices of `requests` per wave, in arrival order."""
+    waves: list[list[int]] = []
+    rows = slots = 0
+    for i, req in enumerate(requests):
+        need = len(req.prompt_ids) + req.n * (depth - 1)
+        if req.n > max_rows or need > kv_slots:
+            raise OutOfSlotsError(
+                f"request {i} needs {req.n} beam rows and {need} KV slots; the engine allows "
+                f"{max_rows} rows per wave (--max-wave-rows) and {kv_slots} KV slots "
+                "(--kv-cache-tokens / --mem-fraction)"
+            )
+        full = rows + req.n > max_rows or slots + need > kv_slots
+        if not waves or full or len(waves[-1]) == max_requests:
+            waves.append([])
+            rows = slots = 0
+        waves[-1].append(i)
+        rows += req.n
+        slots += need
+    return waves

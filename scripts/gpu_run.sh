@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: install FlashInfer wheels + the project (offline), run the GPU test tier,
 # then the benchmarks. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
-#   bash scripts/gpu_run.sh [tests|bench|all]
+#   bash scripts/gpu_run.sh [tests|bench|ablations|all]   (run scripts/gpu_wheels.sh here first)
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-bench_out}

@@ -87,12 +87,12 @@ class FlashInferAttentionBackend:
             return FlashInferMetadata(self.cascade_wrapper, "cascade")
         if one_query_each:
             self.decode.plan(
-                self._dev(step.kv_indptr), self._dev(step.kv_indices), self._ones(num_seq),
+                self._dev(step.kv_indptr), self._dev(step.flat_kv_indices()), self._ones(num_seq),
                 hq, hkv, d, 1, **common,
             )  # fmt: skip
             return FlashInferMetadata(self.decode, "decode")
         self.prefill.plan(
-            self._dev(step.qo_indptr), self._dev(step.kv_indptr), self._dev(step.kv_indices),
+            self._dev(step.qo_indptr), self._dev(step.kv_indptr), self._dev(step.flat_kv_indices()),
             self._ones(num_seq), hq, hkv, d, 1, causal=True, **common,
         )  # fmt: skip
         return FlashInferMetadata(self.prefill, "prefill")

@@ -31,7 +31,8 @@ class TorchAttentionBackend:
         self.device = device
 
     def plan(self, step: StepInput) -> TorchAttentionMetadata:
-        qo_indptr, kv_indptr, kv_indices = step.qo_indptr, step.kv_indptr, step.kv_indices
+        qo_indptr, kv_indptr = step.qo_indptr, step.kv_indptr
+        kv_indices = step.flat_kv_indices().cpu()
         qo_len = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
         kv_len = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
         num_seq, max_q, max_k = len(qo_len), max(qo_len), max(kv_len)

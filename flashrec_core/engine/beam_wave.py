@@ -139,14 +139,16 @@ class BeamWave:
                            first, beams, noise)  # fmt: skip
         self._mark("prefill")
         codes, history = sel.code[:, None], decode_slots[:, :0]
-        prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
+        prompt_lens = torch.tensor([len(p) for p in prompts])
+        all_prompts = torch.cat(slots)  # on the device, once per wave
+        row_request = beams.row_request.cpu()
+        row_prompt_len = prompt_lens.to(device)[beams.row_request]
         for level in range(1, self.trie.depth):
             own = decode_slots[:, level - 1]
             step = prepare_beam_decode(
                 tokens=self.sid.level_starts[level - 1] + codes[:, -1],
-                positions=prompt_lens[beams.row_request] + level - 1,
-                prompt_slots=slots, row_request=beams.row_request, history=history, own=own,
-                flat=not getattr(self.runner.attn_backend, "cascade", False),
+                positions=row_prompt_len + level - 1, prompts=all_prompts,
+                prompt_lens=prompt_lens, row_request=row_request, history=history, own=own,
             )  # fmt: skip
             hidden = self.runner.forward(step)
             sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
@@ -198,62 +200,38 @@ def _fresh_seed() -> int:
 def prepare_beam_decode(
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    prompt_slots: list[torch.Tensor],
+    prompts: torch.Tensor,
+    prompt_lens: torch.Tensor,
     row_request: torch.Tensor,
     history: torch.Tensor,
     own: torch.Tensor,
-    flat: bool = True,
 ) -> StepInput:
     """A decode step: one token per beam row, attending to its request's prompt slots, the
     slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R]).
 
-    Both views are built: the two-level `shared_prefix` (cascade) always, the flat per-row
-    index list only when `flat` (it repeats each prompt once per beam)."""
-    req = row_request.cpu()
-    prompt_lens = torch.tensor([len(s) for s in prompt_slots])
-    own_hist = torch.cat([history, own[:, None]], dim=1).cpu()  # [R, s + 1]
-    prompts = torch.cat([s.cpu() for s in prompt_slots])
+    `prompts` holds every request's prompt slots back to back (`prompt_lens` each, host);
+    `row_request` (host) maps rows to requests. Only the two-level view is built; its per-step
+    part (`own`, `history`) stays on the device, so the step needs no host sync. Backends that
+    want flat per-row indices derive them with `flatten_shared_prefix`.
+    """
+    num_rows = row_request.numel()
+    suffix = torch.cat([history, own[:, None]], dim=1)  # [R, s + 1]
     shared = SharedPrefix(
-        prefix_qo_indptr=_indptr(torch.bincount(req, minlength=len(prompt_slots))),
+        prefix_qo_indptr=_indptr(torch.bincount(row_request, minlength=prompt_lens.numel())),
         prefix_kv_indptr=_indptr(prompt_lens),
         prefix_kv_indices=prompts,
-        suffix_kv_indptr=_indptr(torch.full((len(req),), own_hist.shape[1])),
-        suffix_kv_indices=own_hist.flatten(),
-    )
-    kv_lens = prompt_lens[req] + own_hist.shape[1]
-    kv_indptr = _indptr(kv_lens)
-    kv_indices = (
-        _flat_indices(prompts, shared.prefix_kv_indptr, req, own_hist, kv_indptr, kv_lens)
-        if flat
-        else None
+        suffix_kv_indptr=_indptr(torch.full((num_rows,), suffix.shape[1])),
+        suffix_kv_indices=suffix.flatten(),
     )
     return StepInput(
-        input_ids=tokens.cpu(),
-        positions=positions.cpu(),
-        out_cache_loc=own.cpu(),
-        qo_indptr=torch.arange(len(req) + 1, dtype=torch.int64),
-        kv_indptr=kv_indptr,
-        kv_indices=kv_indices,
+        input_ids=tokens,
+        positions=positions,
+        out_cache_loc=own,
+        qo_indptr=torch.arange(num_rows + 1, dtype=torch.int64),
+        kv_indptr=_indptr(prompt_lens[row_request] + suffix.shape[1]),
+        kv_indices=None,
         shared_prefix=shared,
     )
-
-
-def _flat_indices(
-    prompts: torch.Tensor,
-    prompt_indptr: torch.Tensor,
-    req: torch.Tensor,
-    own_hist: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_lens: torch.Tensor,
-) -> torch.Tensor:
-    """Row r's slots = its request's prompt slots then own_hist[r], for every row, vectorized."""
-    rows = torch.repeat_interleave(torch.arange(len(req)), kv_lens)  # row of each entry
-    pos = torch.arange(int(kv_indptr[-1])) - kv_indptr[rows]  # position within the row
-    prompt_len = (prompt_indptr[1:] - prompt_indptr[:-1])[req][rows]
-    in_prompt = pos < prompt_len
-    from_prompt = prompts[(prompt_indptr[req][rows] + pos).clamp(max=len(prompts) - 1)]
-    from_own = own_hist[rows, (pos - prompt_len).clamp(min=0)]
-    return torch.where(in_prompt, from_prompt, from_own)
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,29 @@ class SharedPrefix:
     suffix_kv_indices: torch.Tensor
 
 
+def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
+    """Flat per-row slot lists (row r: its request's prefix slots, then its suffix slots),
+    concatenated, on the device of the suffix indices. Vectorized: no host loop over rows."""
+    device = sp.suffix_kv_indices.device
+    rows_per_req = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
+    req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req).to(device)
+    prefix_ptr, suffix_ptr = sp.prefix_kv_indptr.to(device), sp.suffix_kv_indptr.to(device)
+    prefix_len = (prefix_ptr[1:] - prefix_ptr[:-1])[req]
+    kv_len = prefix_len + (suffix_ptr[1:] - suffix_ptr[:-1])
+    rows = torch.repeat_interleave(torch.arange(req.numel(), device=device), kv_len)
+    starts = torch.cumsum(kv_len, 0) - kv_len
+    pos = torch.arange(rows.numel(), device=device) - starts[rows]  # position within the row
+    in_prefix = pos < prefix_len[rows]
+    prefix = sp.prefix_kv_indices.to(device)
+    from_prefix = prefix[(prefix_ptr[req][rows] + pos).clamp(max=max(prefix.numel() - 1, 0))]
+    from_suffix = sp.suffix_kv_indices[
+        (suffix_ptr[rows] + pos - prefix_len[rows]).clamp(
+            min=0, max=sp.suffix_kv_indices.numel() - 1
+        )
+    ]
+    return torch.where(in_prefix, from_prefix, from_suffix)
+
+
 @dataclass(frozen=True)
 class StepInput:
     """Host-side description of one forward step over several sequences (built in prepare_*).
@@ -45,6 +68,13 @@ class StepInput:
     kv_indptr: torch.Tensor  # [B + 1]
     kv_indices: torch.Tensor | None  # [sum kv]; None when only shared_prefix is given
     shared_prefix: SharedPrefix | None = None
+
+    def flat_kv_indices(self) -> torch.Tensor:
+        """Per-row slot lists, derived from the two-level view when only that was built."""
+        if self.kv_indices is not None:
+            return self.kv_indices
+        assert self.shared_prefix is not None, "a step has flat indices or a shared prefix"
+        return flatten_shared_prefix(self.shared_prefix)
 
 
 DEFAULT_MAX_CONTEXT = 16_384

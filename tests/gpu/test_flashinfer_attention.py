@@ -26,8 +26,9 @@ def _pool(dtype: torch.dtype, slots: int = 8192) -> KVPool:
 
 def _run(backend, step, pool, q) -> torch.Tensor:
     meta = backend.plan(step)
-    batch = ForwardBatch(step.input_ids.cuda(), step.positions.cuda(), step.out_cache_loc.cuda(),
-                         pool, backend, meta)  # fmt: skip
+    batch = ForwardBatch(
+        step.input_ids.cuda(), step.positions.cuda(), step.out_cache_loc.cuda(), pool, backend, meta
+    )
     return backend.forward(q, 0, D**-0.5, batch).float()
 
 
@@ -74,8 +75,10 @@ def test_beam_decode_matches_reference(kv_dtype: torch.dtype, cascade: bool) -> 
     history = torch.arange(start, start + rows * level).view(rows, level)
     own = torch.arange(start + rows * level, start + rows * (level + 1))
     step = prepare_beam_decode(
-        tokens=torch.ones(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
-        prompt_slots=prompt_slots, row_request=row_request, history=history, own=own,
+        tokens=torch.ones(rows, dtype=torch.int64, device="cuda"),
+        positions=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+        prompts=torch.cat(prompt_slots).cuda(), prompt_lens=torch.tensor(prompt_lens),
+        row_request=row_request, history=history.cuda(), own=own.cuda(),
     )  # fmt: skip
     q = torch.randn(rows, HQ, D, device="cuda", dtype=torch.bfloat16)
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)

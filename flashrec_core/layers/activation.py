@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from flashrec_kernels import silu_mul_quant_fp8_ref
 from torch import nn
 
 from flashrec_core.layers.quant import QuantizedActivation
@@ -30,9 +31,6 @@ class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         if self.quantize_output:
             # Fallback = the fused kernel's torch reference (no intermediate bf16 rounding).
-            if self.fused_kernel is not None:
-                return QuantizedActivation(*self.fused_kernel(gate_up))
-            from flashrec_kernels import silu_mul_quant_fp8_ref
-
-            return QuantizedActivation(*silu_mul_quant_fp8_ref(gate_up))
+            kernel = self.fused_kernel or silu_mul_quant_fp8_ref
+            return QuantizedActivation(*kernel(gate_up))
         return silu_and_mul(gate_up)

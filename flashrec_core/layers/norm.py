@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from flashrec_kernels import rms_norm_quant_fp8_ref
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
@@ -49,15 +50,9 @@ class RMSNorm(nn.Module):
         if self.quantize_output:
             # The fallback is the fused kernel's torch reference: same math, same FP8 rounding
             # (normalized in fp32 and quantized without an intermediate bf16 rounding).
-            kernel = self.fused_kernel or _rms_norm_quant_ref()
+            kernel = self.fused_kernel or rms_norm_quant_fp8_ref
             data, scale, new_residual = kernel(x, self.weight, self.eps, residual)
             return QuantizedActivation(data, scale), x if new_residual is None else new_residual
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x
-
-
-def _rms_norm_quant_ref() -> Callable[..., Any]:
-    from flashrec_kernels import rms_norm_quant_fp8_ref
-
-    return rms_norm_quant_fp8_ref

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from flashrec_kernels import FP8_DTYPE as FP8_DTYPE  # re-exported by flashrec_core.layers
+from flashrec_kernels import FP8_MAX as FP8_MAX
+from flashrec_kernels import per_token_quant_fp8_ref, quantize_rows_ref
 
 
 class QuantizedActivation(NamedTuple):
@@ -19,18 +19,15 @@ class QuantizedActivation(NamedTuple):
 
 def quantize_per_token(x: torch.Tensor) -> QuantizedActivation:
     """Per-token absmax quantization: the eager path when no fused producer ran."""
-    from flashrec_kernels import per_token_quant_fp8_ref
-
     data, scale = per_token_quant_fp8_ref(x)
     return QuantizedActivation(data, scale)
 
 
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel absmax quantization of a [out, in] weight (BF16 checkpoint -> FP8)."""
-    w32 = w.float()
-    scale = w32.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    """Per-output-channel absmax quantization of a [out, in] weight (BF16 checkpoint -> FP8):
+    the activations' per-row quantizer applied to weight rows. Returns (codes, scale [out])."""
+    q, scale = quantize_rows_ref(w)
+    return q, scale.squeeze(1)
 
 
 def fp8_linear(

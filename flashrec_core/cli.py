@@ -62,12 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
     bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
-    bench.add_argument(
-        "--graphs",
-        choices=["off"],
-        default="off",
-        help="whole-step CUDA graphs (not implemented yet: only off)",
-    )
+    bench.add_argument("--no-graphs", action="store_true", help="eager beam steps (no CUDA graphs)")
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
     bench.add_argument("--hf-batch", type=int, default=4)
@@ -113,6 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
         help="turn a fused path off, e.g. enable_fused_rms_fp8 (repeatable)",
@@ -152,7 +148,8 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         mem_fraction=args.mem_fraction, max_context=args.max_context,
         max_wave_rows=args.max_wave_rows,
         disabled_fused=tuple(args.disable_fused),
-        prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade, **known,
+        prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade,
+        cuda_graphs=not args.no_cuda_graphs, **known,
     )  # fmt: skip
 
 
@@ -227,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         preset=args.preset, config_path=args.config, prompt_len=args.prompt_len,
         shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
         catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
-        cascade=not args.no_cascade, rows_per_wave=args.rows_per_wave,
+        cascade=not args.no_cascade, graphs=not args.no_graphs, rows_per_wave=args.rows_per_wave,
         hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
         profile_path=args.profile,
     )  # fmt: skip

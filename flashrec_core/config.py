@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     """Reuse the KV of prompt prefixes seen before (radix tree, LRU eviction)."""
     cascade_attention: bool = True
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
+    cuda_graphs: bool = True
+    """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
+    CUDA graph; needs CUDA and the FlashInfer backend, else steps run eagerly (logged)."""
     max_requests: int = Field(default=1024, gt=0)
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""

@@ -1,31 +1,56 @@
 #!/usr/bin/env bash
-# One GPU session: install FlashInfer wheels + the project (offline), run the GPU test tier,
-# then the benchmarks. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
-#   bash scripts/gpu_run.sh [tests|bench|ablations|all]   (run scripts/gpu_wheels.sh here first)
+# One GPU session: install FlashInfer wheels + the project (offline), then run the named stages
+# in order. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
+#   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
+# Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (cascade, FP8,
+# graphs off), bench50 (n=50 only). Each stage runs under its own time guard (STAGE_S seconds,
+# default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
-what=${1:-all}
 out=${OUT:-bench_out}
+guard=${STAGE_S:-420}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site MAX_JOBS=16 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site MAX_JOBS=16 PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+# FlashInfer JIT-compiles each kernel variant on first use (10-60 s each) into a cache that dies
+# with the machine. The .so files of a previous run (.ficache/, brought with `carry`) are
+# restored as FlashInfer's AOT kernels, which it loads without compiling; new ones are packed
+# into $OUT/ficache.tgz.* at the end for the next run.
+aot=/tmp/site/flashinfer/data/aot
+if compgen -G ".ficache/ficache.tgz.*" >/dev/null; then
+  mkdir -p "$aot" && cat .ficache/ficache.tgz.* | tar xzf - -C "$aot" && echo "restored $(ls "$aot" | wc -l) FlashInfer kernels"
+fi
+pack_kernels() {
+  local tmp; tmp=$(mktemp -d)
+  find /tmp/fiws -name '*.so' -path '*cached_ops*' | while read -r f; do
+    d="$tmp/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; done
+  [[ -d $aot ]] && cp -rn "$aot"/. "$tmp"/
+  [[ -n $(ls "$tmp") ]] && tar czf - -C "$tmp" . | split -b 15m - "$out/ficache.tgz."
+  ls -la "$out"/ficache.tgz.* 2>/dev/null
+}
+trap pack_kernels EXIT
 plugins=(); for p in flashrec_models_*/; do plugins+=(-e "./${p%/}"); done
 python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+bench() { timeout "$guard" flashrec bench --preset qwen3-1.7b "$@"; }
 
-if [[ $what == tests || $what == all ]]; then
-  # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each): give this
-  # stage several minutes on a fresh machine.
-  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels tests/core/test_trie.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
-  for p in flashrec_models_*/; do
-    python3 -m pytest -q -p no:cacheprovider "$p/tests" -k "fused_paths or gpu" 2>&1 | tail -3
-  done
-fi
-if [[ $what == bench || $what == all ]]; then
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25
-  flashrec bench --preset qwen3-1.7b -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25
-fi
-if [[ $what == ablations || $what == all ]]; then
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 320 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16
-  flashrec bench --preset qwen3-1.7b -n 50 --requests 320 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -16
-  flashrec bench --preset qwen3-1.7b -n 512 --requests 32 --no-cascade --no-hf-baseline --out "$out/bench_n512_nocascade.json" 2>&1 | tail -16
-fi
+for what in "${@:-tests}"; do
+  echo "=== stage $what ($(date +%T))"
+  case $what in
+    tests)
+      # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each).
+      timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu \
+        tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
+        2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    bench50)
+      bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
+    bench)
+      bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25
+      bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;
+    ablations)
+      bench -n 50 --requests 400 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16
+      bench -n 50 --requests 400 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -16
+      bench -n 50 --requests 400 --no-graphs --no-hf-baseline --out "$out/bench_n50_nographs.json" 2>&1 | tail -16
+      bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_nocascade.json" 2>&1 | tail -16 ;;
+    *) echo "unknown stage $what"; exit 2 ;;
+  esac
+done

@@ -43,6 +43,7 @@ class BenchConfig:
     level_sizes: tuple[int, ...] = (8192, 8192, 8192)
     fp8: bool = True
     cascade: bool = True
+    graphs: bool = True
     rows_per_wave: int = 8192
     hf_baseline: bool = True
     hf_requests: int = 8
@@ -60,6 +61,7 @@ def _build(bc: BenchConfig) -> tuple[BeamWave, Any]:
         model_path="<synthetic>", device="cuda", dtype="bfloat16",
         quantization="fp8" if bc.fp8 else "none", kv_cache_dtype="fp8_e4m3" if bc.fp8 else "bfloat16",
         attention_backend="flashinfer", cascade_attention=bc.cascade, kv_cache_tokens=kv_tokens,
+        cuda_graphs=bc.graphs, max_wave_rows=bc.rows_per_wave,
         max_context=bc.prompt_len + 8, max_requests=max(per_wave, 1) + 1, show_progress=False,
     )  # fmt: skip
     runner = ModelRunner(random_model(shape, cfg, bc.seed))
@@ -81,12 +83,15 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         max_requests=len(runner.request_table.lengths), kv_slots=runner.allocator.num_slots - 1,
     )  # fmt: skip
     waves = [[requests[i] for i in wave] for wave in plan]
-    # Warm-up (JIT compiles, allocator growth) on other prompts with the same shared prefix, so
-    # the measured waves find only that prefix in the prefix cache, never a whole prompt.
-    warm = RequestSpec(len(waves[0]), bc.prompt_len, bc.shared_prefix, bc.n)
-    wave.run(synthetic_requests(warm, layout, bc.seed, body_seed=bc.seed + 1))
+    # Warm-up (JIT compiles, allocator growth, one CUDA-graph capture per wave shape) on other
+    # prompts with the same shared prefix, so the measured waves find only that prefix in the
+    # prefix cache, never a whole prompt.
+    for i, size in enumerate(sorted({len(g) for g in waves}, reverse=True)):
+        warm = RequestSpec(size, bc.prompt_len, bc.shared_prefix, bc.n)
+        wave.run(synthetic_requests(warm, layout, bc.seed, body_seed=bc.seed + 1 + i))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    stats_before = _graph_counts(wave)
     wave.timeline = []
     ends = []
     for group in waves:
@@ -111,13 +116,14 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         "latency_p50_ms": float(np.percentile(latencies, 50)),
         "latency_p99_ms": float(np.percentile(latencies, 99)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "graph_replays": 0,
-        "eager_steps": len(stages["decode"]),
+        **_graph_window(wave, stats_before, len(stages["decode"])),
         "fused_paths": sorted(runner.loaded.context.fused),
     }
     result.update(_roofline(bc, runner, waves, total_s))
     if bc.profile_path:
-        _profile(wave, waves[0], bc.profile_path)
+        fresh = RequestSpec(len(waves[0]), bc.prompt_len, bc.shared_prefix, bc.n)
+        _profile(wave, synthetic_requests(fresh, layout, bc.seed, body_seed=bc.seed + 100),
+                 bc.profile_path)  # fmt: skip
     if bc.hf_baseline:
         from flashrec_core.bench.hf_baseline import hf_requests_per_s
 
@@ -141,6 +147,25 @@ def _profile(wave: BeamWave, requests: list[GenerationRequest], path: str) -> No
     by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
     with open(path, "w") as f:
         f.write("# sorted by CUDA time\n" + by_cuda + "\n# sorted by CPU time\n" + by_cpu)
+
+
+def _graph_counts(wave: BeamWave) -> tuple[int, int]:
+    stats = wave.graphs.stats if wave.graphs is not None else None
+    return (stats.replays, stats.eager_steps) if stats is not None else (0, 0)
+
+
+def _graph_window(wave: BeamWave, before: tuple[int, int], decode_steps: int) -> dict[str, Any]:
+    """Replays vs eager beam steps inside the measured window (eager = graphs off or a fallback)."""
+    replays, eager = _graph_counts(wave)
+    out: dict[str, Any] = {"graph_replays": replays - before[0]}
+    if wave.graphs is None:
+        out["eager_steps"] = decode_steps
+    else:
+        out["eager_steps"] = eager - before[1]
+        out["eager_reasons"] = dict(wave.graphs.stats.eager_reasons)
+        out["graph_captures"] = wave.graphs.stats.captures
+        out["graph_capture_s"] = wave.graphs.stats.capture_seconds
+    return out
 
 
 def _stage_times(marks: list[tuple[str, torch.cuda.Event]]) -> dict[str, list[float]]:
@@ -177,6 +202,7 @@ def print_table(result: dict[str, Any]) -> None:
         "gpu", "waves", "requests_per_s", "prefill_tokens_per_s", "prefill_ms_per_wave",
         "decode_step_ms_full_wave", "latency_p50_ms", "latency_p99_ms", "peak_memory_gib",
         "roofline_requests_per_s", "percent_of_roofline", "graph_replays", "eager_steps",
+        "graph_captures",
         "hf_requests_per_s", "speedup_vs_hf",
     ]  # fmt: skip
     for k in keys:

@@ -9,14 +9,19 @@ the wave ends, whatever happens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from flashrec_core.engine.cuda_graph import DecodeGraphs
 from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.kvcache import KVPool
 from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
+    NEG_INF,
     BeamLayout,
     Selection,
     candidate_scores,
@@ -48,6 +53,10 @@ class BeamWave:
         self.head = head
         self.trie = trie
         self.sid = layout
+        self.graphs = DecodeGraphs.create(runner, self._graph_step)
+        """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
+        self.eager_padding: Callable[[list[int]], int] | None = None
+        """Without graphs: pad each wave to this many requests anyway (tests of the padding)."""
         self.timeline: list[tuple[str, torch.cuda.Event]] | None = None
         """When a list (benchmarks on CUDA), CUDA events are recorded at each stage boundary."""
 
@@ -128,21 +137,34 @@ class BeamWave:
         device = self.runner.device
         prompts = [list(r.prompt_ids) for r in requests]
         noise = _NoiseSource(requests, device)
+        widths = [r.n for r in requests]
+        graphs = self.graphs
+        padded = graphs.padded_requests(widths, noise.sampling) if graphs is not None else None
+        if graphs is None and self.eager_padding is not None:
+            padded = self.eager_padding(widths)
+        num_pad = (padded - len(requests)) if padded is not None else 0
         first = BeamLayout.create([1] * len(requests), device)
-        beams = BeamLayout.create([r.n for r in requests], device)
+        real = BeamLayout.create(widths, device)
+        beams = BeamLayout.create(widths + [widths[0]] * num_pad, device) if num_pad else real
         slots = [self.runner.request_table.get(row) for row in table_rows]
         self._mark("start")
         step = prepare_prefill(prompts, [s.cpu() for s in slots], cached_lens)
         hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
         sel = self._select(hidden, 0, torch.zeros(len(requests), device=device),
                            torch.zeros(len(requests), dtype=torch.int64, device=device),
-                           first, beams, noise)  # fmt: skip
+                           first, real, noise)  # fmt: skip
         self._mark("prefill")
+        # Pad requests (graph shapes): one pad slot of prompt each, dead beams, pad decode slots.
+        sel = _pad_rows(sel, beams.num_rows)
+        pad_slots = torch.full((num_pad,), KVPool.PAD_SLOT, dtype=torch.int64, device=device)
+        decode_slots = _pad_rows_of(decode_slots, beams.num_rows, KVPool.PAD_SLOT)
         codes, history = sel.code[:, None], decode_slots[:, :0]
-        prompt_lens = torch.tensor([len(p) for p in prompts])
-        all_prompts = torch.cat(slots)  # on the device, once per wave
+        prompt_lens = torch.tensor([len(p) for p in prompts] + [1] * num_pad)
+        all_prompts = torch.cat(slots + [pad_slots])  # on the device, once per wave
         row_request = beams.row_request.cpu()
         row_prompt_len = prompt_lens.to(device)[beams.row_request]
+        if graphs is not None and padded is None:
+            graphs.count_eager(self.trie.depth - 1)
         for level in range(1, self.trie.depth):
             own = decode_slots[:, level - 1]
             step = prepare_beam_decode(
@@ -150,12 +172,16 @@ class BeamWave:
                 positions=row_prompt_len + level - 1, prompts=all_prompts,
                 prompt_lens=prompt_lens, row_request=row_request, history=history, own=own,
             )  # fmt: skip
-            hidden = self.runner.forward(step)
-            sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
+            if graphs is not None and padded is not None:
+                sel = graphs.run(level, step, sel.score, sel.node, beams)
+            else:
+                hidden = self.runner.forward(step)
+                sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
             history = torch.cat([history, own[:, None]], dim=1)[sel.parent]
             codes = torch.cat([codes[sel.parent], sel.code[:, None]], dim=1)
             self._mark(f"decode{level}")
-        return WaveOutput(beams, codes, sel.score, sel.node)
+        rows = real.num_rows
+        return WaveOutput(real, codes[:rows], sel.score[:rows], sel.node[:rows])
 
     def _select(
         self,
@@ -172,6 +198,39 @@ class BeamWave:
         scores = candidate_scores(parent_score.float(), log_probs, children)
         return select_beams(scores, children, parents, out, noise.draw(parents, scores.shape[1]))
 
+    def _graph_step(
+        self,
+        level: int,
+        hidden: torch.Tensor,
+        parent_score: torch.Tensor,
+        nodes: torch.Tensor,
+        layout: BeamLayout,
+    ) -> Selection:
+        """The captured part of a beam step after the forward: greedy selection, no noise."""
+        return self._select(hidden, level, parent_score, nodes, layout, layout, _GREEDY)
+
+
+def _pad_rows(sel: Selection, rows: int) -> Selection:
+    """Selection extended to `rows` with dead pad beams (score -inf, node 0, code 0)."""
+    extra = rows - sel.score.shape[0]
+    if extra == 0:
+        return sel
+    pad = partial(torch.zeros, extra, dtype=torch.int64, device=sel.score.device)
+    dead = torch.full((extra,), NEG_INF, dtype=sel.score.dtype, device=sel.score.device)
+    return Selection(
+        torch.cat([sel.parent, pad()]),
+        torch.cat([sel.code, pad()]),
+        torch.cat([sel.node, pad()]),
+        torch.cat([sel.score, dead]),
+    )
+
+
+def _pad_rows_of(x: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+
 
 class _NoiseSource:
     """Per-request seeded generators for temperature > 0; None when every request is greedy."""
@@ -186,11 +245,18 @@ class _NoiseSource:
             for r in requests
         ]
 
+    @property
+    def sampling(self) -> bool:
+        return any(t > 0 for t in self.temperatures)
+
     def draw(self, parents: BeamLayout, width: int) -> torch.Tensor | None:
-        if all(t <= 0 for t in self.temperatures):
+        if not self.sampling:
             return None
         rows = parents.widths.tolist()
         return gumbel_noise(rows, width, self.generators, self.temperatures, self.device)
+
+
+_GREEDY = _NoiseSource([], torch.device("cpu"))
 
 
 def _fresh_seed() -> int:

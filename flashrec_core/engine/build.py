@@ -117,7 +117,11 @@ def create_build_context(
     kv_dtype = KV_DTYPES[cfg.kv_cache_dtype]
     fp8 = cfg.quantization == "fp8"
     kernels, decisions = resolve_fused_paths(spec, cfg, fp8, kv_dtype)
-    ctx = BuildContext(device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels)
+    triton_ok, _ = triton_usable(cfg)
+    ctx = BuildContext(
+        device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels,
+        triton=triton_ok,
+    )  # fmt: skip
     return ctx, decisions
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +101,7 @@ class ModelRunner:
             ecfg.attention_backend, self.device, num_q_heads=cfg.num_q_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, q_dtype=self.dtype,
             kv_dtype=self.kv_pool.dtype, cascade=ecfg.cascade_attention,
+            max_rows=ecfg.max_wave_rows, max_requests=ecfg.max_requests, max_context=max_context,
         )  # fmt: skip
 
     @classmethod
@@ -118,13 +120,30 @@ class ModelRunner:
         """Hidden states [T, H] (final-normed) for every token of the step."""
         dev = self.device
         metadata = self.attn_backend.plan(step)
+        return self.forward_batch(
+            step.input_ids.to(dev, non_blocking=True),
+            step.positions.to(dev, non_blocking=True),
+            step.out_cache_loc.to(dev, non_blocking=True),
+            metadata,
+        )
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """The model on device tensors with an attention plan made beforehand: the capturable
+        part of a step (CUDA graphs replay exactly this)."""
         batch = ForwardBatch(
-            input_ids=step.input_ids.to(dev, non_blocking=True),
-            positions=step.positions.to(dev, non_blocking=True),
-            out_cache_loc=step.out_cache_loc.to(dev, non_blocking=True),
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
-            attn_metadata=metadata,
+            attn_metadata=attn_metadata,
         )
         return self.model(batch)
 

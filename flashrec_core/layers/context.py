@@ -22,6 +22,9 @@ class BuildContext:
     fp8_linear: bool = False
     kv_dtype: torch.dtype | None = None
     fused: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    triton: bool = False
+    """Whether the shared Triton kernels run here (the per-token FP8 quantizer of Linear inputs
+    that no fused producer quantized, e.g. the attention output before o_proj)."""
 
     def kernel(self, path: str) -> Callable[..., Any] | None:
         """The kernel of an enabled fused path, or None when the eager fallback must run."""

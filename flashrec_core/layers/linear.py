@@ -40,6 +40,7 @@ class Linear(nn.Module):
         self.out_features = sum(sizes)
         self.out_dtype = ctx.dtype
         self.fp8 = ctx.fp8_linear if fp8 is None else fp8
+        self.triton_quant = ctx.triton
         shape = (self.out_features, in_features)
         w_dtype = FP8_DTYPE if self.fp8 else ctx.dtype
         self.weight = nn.Parameter(torch.empty(shape, dtype=w_dtype, device=ctx.device), False)
@@ -60,7 +61,7 @@ class Linear(nn.Module):
         if not self.fp8:
             assert isinstance(x, torch.Tensor), "a BF16 Linear takes an unquantized input"
             return nn.functional.linear(x, self.weight, self.bias)
-        xq = x if isinstance(x, QuantizedActivation) else quantize_per_token(x)
+        xq = x if isinstance(x, QuantizedActivation) else quantize_per_token(x, self.triton_quant)
         assert self.weight_scale is not None, "FP8 Linear always has a weight scale"
         return fp8_linear(xq, self.weight, self.weight_scale, self.bias, self.out_dtype)
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from flashrec_kernels import FP8_DTYPE as FP8_DTYPE  # re-exported by flashrec_core.layers
 from flashrec_kernels import FP8_MAX as FP8_MAX
-from flashrec_kernels import per_token_quant_fp8_ref, quantize_rows_ref
+from flashrec_kernels import per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref
 
 
 class QuantizedActivation(NamedTuple):
@@ -17,9 +17,10 @@ class QuantizedActivation(NamedTuple):
     scale: torch.Tensor  # [T, 1] float32
 
 
-def quantize_per_token(x: torch.Tensor) -> QuantizedActivation:
-    """Per-token absmax quantization: the eager path when no fused producer ran."""
-    data, scale = per_token_quant_fp8_ref(x)
+def quantize_per_token(x: torch.Tensor, triton: bool = False) -> QuantizedActivation:
+    """Per-token absmax quantization, for inputs no fused producer quantized: one Triton kernel
+    when `triton` (decided at build time), else the torch reference (same codes and scales)."""
+    data, scale = per_token_quant_fp8(x) if triton else per_token_quant_fp8_ref(x)
     return QuantizedActivation(data, scale)
 
 

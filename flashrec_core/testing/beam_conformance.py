@@ -126,6 +126,21 @@ class BeamSearchConformance:
                 (c.codes, round(c.logprob, 4)) for c in alone.choices
             ]
 
+    def test_padded_waves_equal_unpadded(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
+        """Pad requests (how CUDA-graph shapes are filled) never change a real request's beams."""
+        path, _ = tiny_checkpoint(self.spec, example, LEVELS)
+        engine = create_engine(path, write_catalog(tmp_path / "c.json", random_codes(300, 2)))
+        reqs = [engine.make_request(prompt=p, n=6) for p in PROMPTS[:2]]
+        plain = engine.generate(reqs)
+        engine.wave.eager_padding = lambda widths: len(widths) + 3
+        padded = engine.generate(reqs)
+        for a, b in zip(plain, padded):
+            assert [(c.codes, round(c.logprob, 4)) for c in a.choices] == [
+                (c.codes, round(c.logprob, 4)) for c in b.choices
+            ]
+
     def test_sampling_is_seeded_and_valid(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
     ) -> None:

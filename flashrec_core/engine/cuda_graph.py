@@ -1,0 +1,201 @@
+"""Whole-step CUDA graphs for beam decode steps.
+
+One replay covers a whole beam step: model forward, restricted LM head, trie mask, top-k and
+beam expansion (the new parent, code, node and score of every row). What stays outside is the
+attention plan (host scheduling into FlashInfer's fixed index buffers) and a few small copies.
+
+Shapes. A graph is captured per (level, padded request count, beam width): the head's codebook
+slice and the trie table differ per level, and selection is per request. A wave of B requests of
+width n is padded to the next capture size with pad requests of n rows each. Pad rows read and
+write only the pad slot (`KVPool.PAD_SLOT`) and start with score -inf, so their beams die and never
+touch a real request's selection (selection never crosses requests).
+
+Gating is decided per wave, before anything is captured: sampling waves (per-request generators),
+mixed widths and waves over the largest size run eagerly, and every eager step is counted and its
+reason logged once. Capture happens on first use of a shape; `flashrec bench` warms each wave shape
+up before its measured window so that window sees replays only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashrec_core.search.beam import BeamLayout, Selection
+
+if TYPE_CHECKING:
+    from flashrec_core.attention.flashinfer import GraphAttention
+    from flashrec_core.engine.model_runner import ModelRunner, StepInput
+
+logger = logging.getLogger("flashrec")
+
+StepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, BeamLayout], Selection]
+"""(level, hidden [R, H], parent score [R], parent node [R], layout) -> the step's Selection."""
+
+
+def capture_request_counts(width: int, max_rows: int) -> list[int]:
+    """Request counts a graph is captured for at beam width `width`: 1, 2, 4, then every multiple
+    of 8, up to the most that fit `max_rows` (also captured, so a full wave is never padded)."""
+    most = max_rows // width
+    ladder = [b for b in (1, 2, 4) if b <= most] + list(range(8, most + 1, 8))
+    return sorted(set(ladder + [most])) if most >= 1 else []
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0
+    eager_steps: int = 0
+    captures: int = 0
+    capture_seconds: float = 0.0
+    eager_reasons: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _StepGraph:
+    graph: torch.cuda.CUDAGraph
+    attention: GraphAttention
+    layout: BeamLayout
+    output: Selection
+    body: Callable[[], Selection]  # the captured work, callable eagerly on the same buffers
+
+
+class DecodeGraphs:
+    """Captured beam steps of one engine, sharing one memory pool and one set of input buffers."""
+
+    def __init__(self, runner: ModelRunner, step_fn: StepFn, max_rows: int) -> None:
+        self.runner = runner
+        self.step_fn = step_fn
+        self.max_rows = max_rows
+        self.stats = GraphStats()
+        self._graphs: dict[tuple[int, int, int], _StepGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        dev = runner.device
+        with torch.inference_mode():
+            self._ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._pos = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._loc = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._score = torch.zeros(max_rows, dtype=torch.float32, device=dev)
+            self._node = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self._logged: set[str] = set()
+
+    @classmethod
+    def create(cls, runner: ModelRunner, step_fn: StepFn) -> DecodeGraphs | None:
+        """The engine's graphs, or None (logged) when this engine cannot capture steps."""
+        cfg = runner.loaded.engine_config
+        reason = None
+        if not cfg.cuda_graphs:
+            reason = "cuda_graphs=False"
+        elif runner.device.type != "cuda":
+            reason = f"device is {runner.device.type}"
+        elif not getattr(runner.attn_backend, "supports_graphs", False):
+            reason = f"the {runner.attn_backend.name} attention backend cannot be captured"
+        if reason is not None:
+            logger.info("CUDA graphs off (%s): beam steps run eagerly", reason)
+            return None
+        return cls(runner, step_fn, cfg.max_wave_rows)
+
+    def padded_requests(self, widths: list[int], sampling: bool) -> int | None:
+        """Requests of this wave once padded to a capture size, or None: run it eagerly (the
+        reason is counted per step by `count_eager` and logged once)."""
+        reason = None
+        if sampling:
+            reason = "sampling (temperature > 0) draws per-request noise on the host"
+        elif len(set(widths)) != 1:
+            reason = "requests of one wave ask for different n"
+        else:
+            sizes = capture_request_counts(widths[0], self.max_rows)
+            fits = [b for b in sizes if b >= len(widths)]
+            if fits:
+                return fits[0]
+            reason = f"{len(widths)} x {widths[0]} rows exceed max_wave_rows {self.max_rows}"
+        self._eager_reason = reason
+        return None
+
+    def count_eager(self, steps: int) -> None:
+        reason = getattr(self, "_eager_reason", "no graph for this wave")
+        self.stats.eager_steps += steps
+        self.stats.eager_reasons[reason] += steps
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("beam steps run eagerly, without CUDA graphs: %s", reason)
+
+    def run(
+        self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
+        layout: BeamLayout,
+    ) -> Selection:  # fmt: skip
+        """One beam step by graph replay (captured on first use of this shape)."""
+        return self._step(level, step, score, node, layout, replay=True)
+
+    def run_uncaptured(
+        self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
+        layout: BeamLayout,
+    ) -> Selection:  # fmt: skip
+        """The same step, same buffers and plan, executed eagerly instead of replayed: the
+        reference a replay must equal exactly (tests)."""
+        return self._step(level, step, score, node, layout, replay=False)
+
+    def _step(
+        self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
+        layout: BeamLayout, replay: bool,
+    ) -> Selection:  # fmt: skip
+        rows = layout.num_rows
+        key = (level, layout.widths.numel(), layout.max_width)
+        graph = self._graphs.get(key)
+        with torch.inference_mode():
+            self._ids[:rows].copy_(step.input_ids, non_blocking=True)
+            self._pos[:rows].copy_(step.positions, non_blocking=True)
+            self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
+            self._score[:rows].copy_(score)
+            self._node[:rows].copy_(node)
+            if graph is None:
+                graph = self._capture(key, step, layout)
+            else:
+                self.runner.attn_backend.plan(step, graph=graph.attention)
+            if replay:
+                graph.graph.replay()
+                self.stats.replays += 1
+                out = graph.output
+            else:
+                out = graph.body()
+            return Selection(out.parent.clone(), out.code.clone(), out.node.clone(),
+                             out.score.clone())  # fmt: skip
+
+    def _capture(self, key: tuple[int, int, int], step: StepInput, layout: BeamLayout) -> _StepGraph:
+        level, num_requests, _ = key
+        rows = layout.num_rows
+        start = time.perf_counter()
+        attention = self.runner.attn_backend.graph_attention(num_requests, rows)
+        metadata = self.runner.attn_backend.plan(step, graph=attention)
+
+        def body() -> Selection:
+            hidden = self.runner.forward_batch(
+                self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
+            )
+            return self.step_fn(level, hidden, self._score[:rows], self._node[:rows], layout)
+
+        # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
+        # same K/V the replay writes, so it is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = body()
+        captured = _StepGraph(graph, attention, layout, output, body)
+        self._graphs[key] = captured
+        self.stats.captures += 1
+        seconds = time.perf_counter() - start
+        self.stats.capture_seconds += seconds
+        logger.info(
+            "captured beam step: level %d, %d requests x %d beams, in %.2f s",
+            level, num_requests, layout.max_width, seconds,
+        )  # fmt: skip
+        return captured

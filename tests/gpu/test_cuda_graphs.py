@@ -1,0 +1,98 @@
+"""Whole-step CUDA graphs: replay == the same step run eagerly, and the engine uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.beam_wave import prepare_beam_decode
+from flashrec_core.engine.engine import Engine
+from flashrec_core.registry import Registry
+from flashrec_core.search.beam import BeamLayout
+from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
+from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+
+from .test_gpu_engine import gpu_shape
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=["cascade", "flat"])
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    spec = Registry.discover().resolve("Qwen3ForCausalLM")
+    path = tmp_path_factory.mktemp("graphs")
+    write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
+    catalog = write_catalog(path / "c.json", random_codes(400, seed=3))
+    cfg = EngineConfig(
+        model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
+        cascade_attention=request.param == "cascade", max_wave_rows=256,
+    )  # fmt: skip
+    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
+
+
+def _step(engine: Engine, layout: BeamLayout, seed: int):
+    """A beam step at level 2 over random (valid) slots, positions, scores and trie nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = engine.runner.device
+    rows, reqs = layout.num_rows, layout.widths.numel()
+    prompt_lens = torch.randint(3, 9, (reqs,), generator=gen)
+    prompts = torch.randint(1, 1000, (int(prompt_lens.sum()),), generator=gen).to(dev)
+    history = torch.randint(1000, 2000, (rows, 1), generator=gen).to(dev)
+    own = torch.arange(2000, 2000 + rows, device=dev)
+    level = 2
+    codes = torch.randint(0, LEVELS[1], (rows,), generator=gen).to(dev)
+    step = prepare_beam_decode(
+        tokens=engine.layout.level_starts[1] + codes,
+        positions=prompt_lens.to(dev)[layout.row_request] + 1, prompts=prompts,
+        prompt_lens=prompt_lens, row_request=layout.row_request.cpu(), history=history, own=own,
+    )  # fmt: skip
+    score = -torch.rand(rows, generator=gen).to(dev) * 5
+    node = torch.randint(0, engine.trie.num_nodes(level), (rows,), generator=gen).to(dev)
+    return level, step, score, node
+
+
+def test_replay_equals_the_eager_step_exactly(engine: Engine) -> None:
+    graphs = engine.wave.graphs
+    assert graphs is not None
+    layout = BeamLayout.create([8] * 4, engine.runner.device)
+    for seed in range(3):  # the first call captures; later ones re-plan and replay
+        level, step, score, node = _step(engine, layout, seed)
+        replayed = graphs.run(level, step, score, node, layout)
+        eager = graphs.run_uncaptured(level, step, score, node, layout)
+        for name, a, b in zip(("parent", "code", "node", "score"), replayed, eager):
+            assert torch.equal(a, b), f"seed {seed}: {name} differs between replay and eager"
+    assert graphs.stats.captures == 1 and graphs.stats.replays == 3
+
+
+def test_generate_replays_graphs_and_pads_waves(engine: Engine, tmp_path: Path) -> None:
+    """Three requests of n=8 pad to the 4-request graph; results equal an eager engine's."""
+    graphs = engine.wave.graphs
+    assert graphs is not None
+    before = graphs.stats.replays
+    reqs = [engine.make_request(prompt=f"user w{i} w{i + 3} item", n=8) for i in range(3)]
+    with_graphs = engine.generate(reqs)
+    assert graphs.stats.replays - before == len(LEVELS) - 1
+    engine.wave.graphs = None  # same engine, same weights, eager steps at the same padded shape
+    engine.wave.eager_padding = lambda widths: 4
+    try:
+        eager = engine.generate(reqs)
+    finally:
+        engine.wave.graphs, engine.wave.eager_padding = graphs, None
+    for a, b in zip(with_graphs, eager):
+        assert [c.codes for c in a.choices] == [c.codes for c in b.choices]
+        for ca, cb in zip(a.choices, b.choices):
+            assert abs(ca.logprob - cb.logprob) < 1e-3  # plans differ only in kernel scheduling
+
+
+def test_sampling_waves_fall_back_to_eager_and_say_why(engine: Engine) -> None:
+    graphs = engine.wave.graphs
+    assert graphs is not None
+    eager_before = graphs.stats.eager_steps
+    req = engine.make_request(prompt="user w1 item", n=4, temperature=0.7, seed=1)
+    [res] = engine.generate([req])
+    assert len(res.choices) == 4
+    assert graphs.stats.eager_steps - eager_before == len(LEVELS) - 1
+    assert any("sampling" in reason for reason in graphs.stats.eager_reasons)

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
-WORKSPACE_BYTES = 256 << 20
+WORKSPACE_BYTES = 1 << 30
+"""Split-KV scratch: the prefix level of an 8,000-beam step needs ~300 MB."""
 
 
 @dataclass(frozen=True)

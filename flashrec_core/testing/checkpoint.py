@@ -101,3 +101,10 @@ def write_tiny_checkpoint(
 
 def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def gpu_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A tiny example config at head_dim 64 for the GPU tier: FlashInfer compiles kernels for head
+    dims 64, 128 and 256 (the CPU tier's head_dim 16 suits the torch backend only)."""
+    return {**hf_config, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
+            "intermediate_size": 512}  # fmt: skip

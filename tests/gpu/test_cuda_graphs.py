@@ -13,9 +13,7 @@ from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
 from flashrec_core.search.beam import BeamLayout
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
-from flashrec_core.testing.checkpoint import write_tiny_checkpoint
-
-from .test_gpu_engine import gpu_shape
+from flashrec_core.testing.checkpoint import gpu_shape, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

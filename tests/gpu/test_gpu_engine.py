@@ -11,7 +11,7 @@ from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
-from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+from flashrec_core.testing.checkpoint import gpu_shape, write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 
 pytestmark = pytest.mark.gpu
@@ -28,12 +28,6 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
     return path, hf, spec
 
-
-def gpu_shape(hf_config: dict) -> dict:
-    """The example config at head_dim 64: FlashInfer compiles kernels for head dims 64, 128 and
-    256 only (the CPU tier's head_dim 16 is fine for the torch backend, not for FlashInfer)."""
-    return {**hf_config, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
-            "intermediate_size": 512}  # fmt: skip
 
 
 # BF16 engine vs FP32 transformers: per-step log-probs differ by ~1e-2 (bf16 keeps 8 bits of

@@ -21,11 +21,24 @@ from .fp8 import (
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
 from .silu_mul import silu_mul_quant_fp8, silu_mul_quant_fp8_ref
+from .trie_topk import (
+    CsrLevel,
+    DenseLevel,
+    TrieTopK,
+    pack_keys,
+    stable_topk,
+    trie_topk,
+    trie_topk_ref,
+)
 
 __all__ = [
+    "CsrLevel",
+    "DenseLevel",
     "FP8_DTYPE",
     "FP8_MAX",
     "MIN_ABSMAX",
+    "TrieTopK",
+    "pack_keys",
     "per_token_quant_fp8",
     "per_token_quant_fp8_ref",
     "quantize_rows_ref",
@@ -35,6 +48,9 @@ __all__ = [
     "rope_norm_store_ref",
     "silu_mul_quant_fp8",
     "silu_mul_quant_fp8_ref",
+    "stable_topk",
+    "trie_topk",
+    "trie_topk_ref",
     "triton_available",
     "triton_interpreting",
 ]

@@ -19,7 +19,13 @@ def test_import_does_not_import_triton() -> None:
 
 def test_every_kernel_has_a_reference() -> None:
     names = set(flashrec_kernels.__all__)
-    kernels = {"per_token_quant_fp8", "rms_norm_quant_fp8", "silu_mul_quant_fp8", "rope_norm_store"}
+    kernels = {
+        "per_token_quant_fp8",
+        "rms_norm_quant_fp8",
+        "silu_mul_quant_fp8",
+        "rope_norm_store",
+        "trie_topk",
+    }
     assert {f"{k}_ref" for k in kernels} | kernels <= names
     assert all(hasattr(flashrec_kernels, name) for name in names)
 

@@ -1,6 +1,13 @@
 """SID layout, catalogs, the catalog trie, the restricted LM head and beam selection."""
 
-from flashrec_core.search.beam import BeamLayout, Selection, candidate_scores, select_beams
+from flashrec_core.search.beam import (
+    BeamLayout,
+    Selection,
+    candidate_scores,
+    expand_beams,
+    select_beams,
+    select_from_rows,
+)
 from flashrec_core.search.catalog import Catalog, CatalogError, build_catalog
 from flashrec_core.search.catalog_formats import convert_packed_catalog, load_catalog
 from flashrec_core.search.lm_head import Normalization, RestrictedLMHead
@@ -27,7 +34,9 @@ __all__ = [
     "build_trie",
     "candidate_scores",
     "convert_packed_catalog",
+    "expand_beams",
     "infer_sid_layout",
     "load_catalog",
     "select_beams",
+    "select_from_rows",
 ]

@@ -4,8 +4,10 @@ Rows are beams of several requests laid out back to back: request r owns rows
 [row_offset[r], row_offset[r] + width[r]). Each step scores every valid trie child of every row
 (parent score + step log-prob; invalid children are -inf *before* selection), then takes the
 global top-width[r] of each request. Ties break deterministically: lower parent row, then lower
-code. With temperature > 0 the selection key gets Gumbel noise (sampling without replacement per
-step) while the reported score stays the true cumulative log-prob.
+child slot (lower code). Both top-k stages order unique int64 packed keys (no sort); the first
+(mask + score + per-row top-k) is `flashrec_kernels.trie_topk`, fused in Triton on the GPU.
+With temperature > 0 the selection key gets Gumbel noise (sampling without replacement per step)
+while the reported score stays the true cumulative log-prob.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from flashrec_kernels import TrieTopK, stable_topk, trie_topk, trie_topk_ref
 
-from flashrec_core.search.trie import TrieChildren
+from flashrec_core.search.trie import Trie, TrieChildren
 
 NEG_INF = float("-inf")
 
@@ -64,6 +67,32 @@ def candidate_scores(
     return parent_score[:, None] + step
 
 
+def expand_beams(
+    trie: Trie,
+    level: int,
+    nodes: torch.Tensor,
+    parent_score: torch.Tensor,
+    log_probs: torch.Tensor,
+    parents: BeamLayout,
+    out: BeamLayout,
+    noise: torch.Tensor | None = None,
+    *,
+    use_kernel: bool = False,
+) -> Selection:
+    """One step: trie mask + score + per-row top-k (`flashrec_kernels.trie_topk`), then the
+    global top-width of each request. No [R, W] tensor is built when `use_kernel` is set.
+
+    `nodes` int64 [R_in] and `parent_score` fp32 [R_in] are the parent beams (laid out by
+    `parents`), `log_probs` fp32 [R_in, K] the step's log-probs, `noise` fp32 [R_in, W] or None.
+    `use_kernel` picks the Triton kernel over the torch reference; decide it once per engine
+    (CUDA, or `triton_on_cpu` under the interpreter), not per step.
+    """
+    k_row = min(trie.max_children(level), out.max_width)
+    topk = trie_topk if use_kernel else trie_topk_ref
+    rows = topk(trie.kernel_level(level), nodes, parent_score, log_probs, k_row, noise)
+    return select_from_rows(rows, parents, out)
+
+
 def select_beams(
     scores: torch.Tensor,
     children: TrieChildren,
@@ -74,35 +103,39 @@ def select_beams(
     """Global top-width of each request over its parent rows' candidates.
 
     `scores` [R_in, W] is laid out by `parents` (one row per request at the first step, the
-    beams afterwards); the result has one row per beam of `out`. A request with fewer valid
-    candidates than its width gets dead beams (score -inf) pointing at its first parent row.
+    beams afterwards); the result has one row per beam of `out`. Same result as `expand_beams`
+    from already materialized `candidate_scores`.
     """
-    num_req, width = out.widths.shape[0], scores.shape[1]
     keys = scores if noise is None else scores + noise
     # Pre-select per row: a request's top-n takes at most n children from one row.
-    k_row = min(width, out.max_width)
-    row_keys, row_pos = _stable_topk(keys, k_row)  # [R_in, k_row]
+    key, pos = stable_topk(keys, min(scores.shape[1], out.max_width))  # [R_in, k_row]
+    score = key if noise is None else scores.gather(1, pos)
+    rows = TrieTopK(key, pos, score, children.codes.gather(1, pos), children.child.gather(1, pos))
+    return select_from_rows(rows, parents, out)
+
+
+def select_from_rows(rows: TrieTopK, parents: BeamLayout, out: BeamLayout) -> Selection:
+    """Global top-width of each request over its parent rows' k best candidates.
+
+    A request with fewer valid candidates than its width gets dead beams (score -inf) pointing
+    at its first parent row (code and node of that row's best slot: in range, otherwise unused).
+    Ties break by lower parent row, then by the row's own order (lower slot first).
+    """
+    num_req, k_row = out.widths.shape[0], rows.key.shape[1]
     # [B, P * k_row] candidates per request, at least max_width wide (short ones pad -inf)
     cols = max(parents.max_width * k_row, out.max_width)
-    grid = keys.new_full((num_req, cols), NEG_INF)
-    flat_pos = parents.row_rank[:, None] * k_row + torch.arange(k_row, device=keys.device)
-    grid[parents.row_request[:, None], flat_pos] = row_keys
-    top_keys, flat = _stable_topk(grid, out.max_width)  # [B, max_width]
+    grid = rows.key.new_full((num_req, cols), NEG_INF)
+    flat_pos = parents.row_rank[:, None] * k_row + torch.arange(k_row, device=grid.device)
+    grid[parents.row_request[:, None], flat_pos] = rows.key
+    top_keys, flat = stable_topk(grid, out.max_width)  # [B, max_width]
     # Output row (r, j) takes request r's j-th best candidate.
     key = top_keys[out.row_request, out.row_rank]
     flat_row = flat[out.row_request, out.row_rank]
     dead = key == NEG_INF
-    parent_local = torch.where(dead, 0, flat_row // k_row)
-    parent = parents.row_offsets[out.row_request] + parent_local
-    pos = torch.where(dead, 0, row_pos[parent, flat_row % k_row])
-    score = scores[parent, pos].masked_fill(dead, NEG_INF)
-    return Selection(parent, children.codes[parent, pos], children.child[parent, pos], score)
-
-
-def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim; equal values keep index order (deterministic tie-break)."""
-    values, index = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], index[..., :k]
+    parent = parents.row_offsets[out.row_request] + torch.where(dead, 0, flat_row // k_row)
+    rank = torch.where(dead, 0, flat_row % k_row)
+    score = rows.score[parent, rank].masked_fill(dead, NEG_INF)
+    return Selection(parent, rows.code[parent, rank], rows.child[parent, rank], score)
 
 
 def gumbel_noise(

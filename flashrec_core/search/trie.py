@@ -21,6 +21,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
+from flashrec_kernels import CsrLevel, DenseLevel
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class Trie(ABC):
         """Children of `nodes` (int64 [rows], node ids at `level`, all valid) -> [rows, W]."""
 
     @abstractmethod
+    def kernel_level(self, level: int) -> DenseLevel | CsrLevel:
+        """The tables of `level` as `flashrec_kernels.trie_topk` reads them (views, no copy)."""
+
+    @abstractmethod
     def to(self, device: torch.device | str) -> Trie: ...
 
 
@@ -105,6 +110,9 @@ class DenseTrie(Trie):
         child = self.tables[level][nodes].long()  # [rows, K]
         valid = child >= 0
         return TrieChildren(self._codes[level].expand_as(child), child.clamp_min_(0), valid)
+
+    def kernel_level(self, level: int) -> DenseLevel:
+        return DenseLevel(self.tables[level])
 
     def to(self, device: torch.device | str) -> DenseTrie:
         return DenseTrie(self.level_sizes, [t.to(device) for t in self.tables], self.num_sids)
@@ -140,6 +148,10 @@ class CsrTrie(Trie):
         codes = self.child_codes[level][idx].long().masked_fill_(invalid, 0)
         child = self.child_ids[level][idx].long().masked_fill_(invalid, 0)
         return TrieChildren(codes, child, ~invalid)
+
+    def kernel_level(self, level: int) -> CsrLevel:
+        width = self._widths[level]
+        return CsrLevel(self.indptr[level], self.child_codes[level], self.child_ids[level], width)
 
     def to(self, device: torch.device | str) -> CsrTrie:
         indptr, codes, ids = ([t.to(device) for t in ts] for ts in self._tables())

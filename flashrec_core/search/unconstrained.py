@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from flashrec_kernels import DenseLevel
 
 from flashrec_core.search.trie import Trie, TrieChildren
 
@@ -20,6 +21,10 @@ class UnconstrainedTrie(Trie):
         super().__init__(level_sizes, [1] * (len(level_sizes) + 1), level_sizes)
         self.device = torch.device(device)
         self._codes = [torch.arange(k, device=self.device)[None, :] for k in self.level_sizes]
+        # every code present, child node 0 (the only node of each level)
+        self._tables = [
+            torch.zeros((1, k), dtype=torch.int32, device=self.device) for k in self.level_sizes
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -29,6 +34,9 @@ class UnconstrainedTrie(Trie):
         codes = self._codes[level].expand(nodes.shape[0], -1)
         zeros = torch.zeros_like(codes)
         return TrieChildren(codes, zeros, torch.ones_like(codes, dtype=torch.bool))
+
+    def kernel_level(self, level: int) -> DenseLevel:
+        return DenseLevel(self._tables[level])
 
     def to(self, device: torch.device | str) -> UnconstrainedTrie:
         return UnconstrainedTrie(self.level_sizes, device)

@@ -45,6 +45,8 @@ class EngineConfig(BaseModel):
     enable_fused_rms_fp8: bool = True
     enable_fused_silu_fp8: bool = True
     enable_fused_qk_rope_kv: bool = True
+    enable_fused_trie_topk: bool = True
+    """Beam selection through the Triton trie-mask + top-k kernel on CUDA (else torch ops)."""
     disabled_fused: tuple[str, ...] = ()
     """Further fused-path switches turned off by name (plugin paths such as enable_fused_gelu_fp8)."""
     triton_on_cpu: bool = False

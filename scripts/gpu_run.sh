@@ -36,9 +36,12 @@ bench() { timeout "$guard" flashrec bench --preset qwen3-1.7b "$@"; }
 for what in "${@:-tests}"; do
   echo "=== stage $what ($(date +%T))"
   case $what in
+    gputests)
+      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q --tb=short -p no:cacheprovider \
+        tests/gpu tests/kernels/test_trie_topk.py 2>&1 | tee "$out/gpu_tests.log" | tail -60 ;;
     tests)
       # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each).
-      timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu \
+      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu \
         tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     bench50)

@@ -31,8 +31,10 @@ if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
-WORKSPACE_BYTES = 1 << 30
-"""Split-KV scratch: the prefix level of an 8,000-beam step needs ~300 MB."""
+WORKSPACE_BYTES = 2 << 30
+"""Split-KV scratch: the prefix level of an 8,000-beam step in CUDA-graph mode (grid padded for
+the largest plan) asked for 1.2 GB on an H200."""
+SUFFIX_WORKSPACE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class FlashInferAttentionBackend:
         # to back; every other wrapper (also in graph mode) shares one of them, since one step
         # runs at a time on one stream.
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.suffix_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.suffix_workspace = torch.empty(SUFFIX_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = self._decode_wrapper(self.workspace)
         self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

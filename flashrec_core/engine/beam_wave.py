@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from flashrec_core.config import triton_usable
 from flashrec_core.engine.cuda_graph import DecodeGraphs
 from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
@@ -24,9 +25,8 @@ from flashrec_core.search.beam import (
     NEG_INF,
     BeamLayout,
     Selection,
-    candidate_scores,
+    expand_beams,
     gumbel_noise,
-    select_beams,
 )
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout
@@ -53,6 +53,11 @@ class BeamWave:
         self.head = head
         self.trie = trie
         self.sid = layout
+        ecfg = runner.loaded.engine_config
+        self.trie_kernel = (
+            runner.device.type == "cuda" and ecfg.enable_fused_trie_topk and triton_usable(ecfg)[0]
+        )
+        """Selection through the fused trie-mask + top-k Triton kernel (else its torch reference)."""
         self.graphs = DecodeGraphs.create(runner, self._graph_step)
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
         self.eager_padding: Callable[[list[int]], int] | None = None
@@ -194,9 +199,10 @@ class BeamWave:
         noise: _NoiseSource,
     ) -> Selection:
         log_probs = self.head.log_probs(hidden, level)
-        children = self.trie.children(level, nodes)
-        scores = candidate_scores(parent_score.float(), log_probs, children)
-        return select_beams(scores, children, parents, out, noise.draw(parents, scores.shape[1]))
+        return expand_beams(
+            self.trie, level, nodes, parent_score.float(), log_probs, parents, out,
+            noise.draw(parents, self.trie.max_children(level)), use_kernel=self.trie_kernel,
+        )  # fmt: skip
 
     def _graph_step(
         self,

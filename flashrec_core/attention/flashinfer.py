@@ -32,9 +32,8 @@ if TYPE_CHECKING:
     from flashrec_core.layers.batch import ForwardBatch
 
 WORKSPACE_BYTES = 2 << 30
-"""Split-KV scratch: the prefix level of an 8,000-beam step in CUDA-graph mode (grid padded for
-the largest plan) asked for 1.2 GB on an H200."""
-SUFFIX_WORKSPACE_BYTES = 256 << 20
+"""Split-KV scratch per workspace: 8,000-beam steps in CUDA-graph mode (grid padded for the largest
+plan) asked for 1.2 GB on an H200."""
 
 
 @dataclass(frozen=True)
@@ -88,18 +87,35 @@ class FlashInferAttentionBackend:
         # to back; every other wrapper (also in graph mode) shares one of them, since one step
         # runs at a time on one stream.
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.suffix_workspace = torch.empty(SUFFIX_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.suffix_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = self._decode_wrapper(self.workspace)
         self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.suffix = self._decode_wrapper(self.suffix_workspace)
         self.limits = (max_rows, max_requests, max_context, max_suffix)
         self._graph_buffers: dict[str, torch.Tensor] | None = None
+        self._planned: dict[int, torch.cuda.Event] = {}
 
     def _decode_wrapper(self, workspace: torch.Tensor, **graph: Any) -> Any:
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_tensor_cores=self.tensor_cores, **graph
         )
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """wrapper.plan, safe to call again before the GPU reached the last plan's copy.
+
+        A plan writes its schedule into a pinned host buffer and enqueues an async copy to the
+        device. Beam steps plan without a host sync in between, so before re-planning a wrapper
+        the host waits for its previous copy (an event right after it), not for the whole step.
+        """
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._planned[id(wrapper)] = event
 
     def _common(self) -> dict[str, Any]:
         return dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.scale)
@@ -115,25 +131,29 @@ class FlashInferAttentionBackend:
             prefix = graph.prefix if graph is not None else self.prefix
             suffix = graph.suffix if graph is not None else self.suffix
             num_req = sp.prefix_qo_indptr.numel() - 1
-            prefix.plan(
+            self._plan(
+                prefix,
                 _i32(sp.prefix_qo_indptr), _i32(sp.prefix_kv_indptr),
                 _i32(sp.prefix_kv_indices, self.device), _ones(num_req), hq, hkv, d, 1,
                 causal=False, **self._common(),
             )  # fmt: skip
-            suffix.plan(
+            self._plan(
+                suffix,
                 _i32(sp.suffix_kv_indptr), _i32(sp.suffix_kv_indices, self.device),
                 _ones(num_seq), hq, hkv, d, 1, **self._common(),
             )  # fmt: skip
             return FlashInferMetadata("cascade", prefix, suffix)
         if one_query_each:
             flat = graph.flat if graph is not None else self.decode
-            flat.plan(
+            self._plan(
+                flat,
                 _i32(step.kv_indptr), _i32(step.flat_kv_indices(), self.device), _ones(num_seq),
                 hq, hkv, d, 1, **self._common(),
             )  # fmt: skip
             return FlashInferMetadata("decode", flat)
         assert graph is None, "prefill steps are never captured"
-        self.prefill.plan(
+        self._plan(
+            self.prefill,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(num_seq), hq, hkv, d, 1,
             causal=True, **self._common(),

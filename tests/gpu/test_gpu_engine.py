@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,27 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path, hf, spec
 
 
+SLACK = 0.02
+"""Added to the reference path's own error: rounding points differ between the two paths (fused
+kernels round once where the eager ops round twice; FlashInfer sums in another order)."""
 
-# BF16 engine vs FP32 transformers: per-step log-probs differ by ~1e-2 (bf16 keeps 8 bits of
-# mantissa; logits ~3 in magnitude); over 3 steps 0.05 bounds it. Rank swaps are allowed only
-# between beams whose reference scores are closer than that.
-BF16_TOL = 0.05
-FP8_TOL = 0.5
-"""W8A8 e4m3 (3 mantissa bits): ~5% relative logit error (FP8_REL_L2 in the CPU suite) on
-logits of magnitude ~3 gives ~0.15 per step; 0.5 bounds three steps."""
+
+def _engine(path: Path, catalog: Path, device: str, quantization: str) -> Engine:
+    cfg = EngineConfig(
+        model_path=str(path), device=device, dtype="bfloat16", quantization=quantization,
+        kv_cache_dtype="fp8_e4m3" if quantization == "fp8" else "bfloat16",
+        show_progress=False, kv_cache_tokens=1 << 16,
+    )  # fmt: skip
+    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
+
+
+def _scored(engine: Engine, hf, prompt: str, n: int) -> list[tuple[tuple[int, ...], float, float]]:
+    """(codes, engine log-prob, fp32 transformers teacher-forced log-prob) of every beam."""
+    req = engine.make_request(prompt=prompt, n=n)
+    [res] = engine.generate([req])
+    assert len(res.choices) == n
+    exact = partial(teacher_forced_logprob, hf, req.prompt_ids, engine.layout)
+    return [(c.codes, c.logprob, exact(c.codes)) for c in res.choices]
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
@@ -44,30 +58,33 @@ logits of magnitude ~3 gives ~0.15 per step; 0.5 bounds three steps."""
 def test_gpu_beam_search_matches_transformers(
     checkpoint, tmp_path: Path, n: int, quantization: str
 ) -> None:
-    """Every returned beam is scored like fp32 transformers scores it (within the precision
-    tolerance), and any beam transformers keeps that we do not is within 2 x tol of our cut:
-    rankings may differ only between near-ties."""
+    """Every beam is scored like fp32 transformers scores it, as closely as the engine's own torch
+    reference path at the same precision (BF16 or FP8, on CPU) manages, and the beams are as good
+    as transformers' beams (rankings may differ only by that error).
+
+    The bound is measured, not assumed: on these tiny models the BF16 torch path is already up to
+    0.14 off fp32 after three steps (8-bit mantissa, rounded at every op), FP8 W8A8 + FP8 KV up
+    to ~1.4. A GPU bug (a wrong kernel, a stale plan, a corrupted slot) shows as errors of whole
+    nats, far above twice that."""
     path, hf, _ = checkpoint
     catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=n))
-    cfg = EngineConfig(
-        model_path=str(path), device="cuda", dtype="bfloat16", quantization=quantization,
-        show_progress=False, kv_cache_tokens=1 << 16,
-    )  # fmt: skip
-    engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
-    req = engine.make_request(prompt="user history w1 w7 w3 item w9", n=n)
-    [res] = engine.generate([req])
-    tol = BF16_TOL if quantization == "none" else FP8_TOL
-    assert len(res.choices) == n
-    exact = {
-        c.codes: teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
-        for c in res.choices
-    }
-    for c in res.choices:
-        assert abs(c.logprob - exact[c.codes]) < tol, f"{c.codes}: {c.logprob} vs {exact[c.codes]}"
-    cut = min(exact.values())
-    for codes, ref_lp in hf_beam_search(hf, req.prompt_ids, n, engine.layout, engine.catalog.codes):
-        if codes not in exact:
-            assert ref_lp < cut + 2 * tol, f"missed {codes} ({ref_lp:.4f}) above our cut {cut:.4f}"
+    prompt = "user history w1 w7 w3 item w9"
+    reference = _scored(_engine(path, catalog, "cpu", quantization), hf, prompt, n)
+    tol = 2 * max(abs(ours - exact) for _, ours, exact in reference) + SLACK
+    engine = _engine(path, catalog, "cuda", quantization)
+    gpu = _scored(engine, hf, prompt, n)
+    for codes, ours, exact in gpu:
+        assert abs(ours - exact) < tol, f"{codes}: {ours:.4f} vs fp32 {exact:.4f} (tol {tol:.3f})"
+    engine_codes = {codes for codes, _, _ in gpu}
+    prompt_ids = engine.make_request(prompt=prompt, n=n).prompt_ids
+    theirs = hf_beam_search(hf, prompt_ids, n, engine.layout, engine.catalog.codes)
+    theirs_mean = sum(lp for _, lp in theirs) / len(theirs)
+    gap = theirs_mean - sum(exact for _, _, exact in gpu) / n
+    reference_gap = theirs_mean - sum(exact for _, _, exact in reference) / n
+    assert gap < max(reference_gap, 0.0) + tol, (
+        f"beams worse than transformers' by {gap:.4f} on average (the reference path: "
+        f"{reference_gap:.4f}); {len(engine_codes & {c for c, _ in theirs})} of {n} shared"
+    )
 
 
 def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:

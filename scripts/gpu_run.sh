@@ -3,7 +3,7 @@
 # in order. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (cascade, FP8,
-# graphs off), bench50 (n=50 only). Each stage runs under its own time guard (STAGE_S seconds,
+# graphs off), bench50 / bench512 (one width), gputests (tests/gpu + the beam kernel only). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -46,6 +46,8 @@ for what in "${@:-tests}"; do
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     bench50)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
+    bench512)
+      bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;
     bench)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25
       bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;

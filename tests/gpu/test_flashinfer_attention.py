@@ -46,18 +46,34 @@ def _flashinfer(kv_dtype: torch.dtype, cascade: bool):
 ATOL = 2e-2
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["full", "cached-prefix"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_prefill_matches_reference(kv_dtype: torch.dtype) -> None:
+def test_prefill_matches_reference(kv_dtype: torch.dtype, cached: bool) -> None:
+    """Prompts with a cached prefix have fewer queries than keys (causal from the bottom right);
+    a prompt of which all but the last token is cached plans as one query per sequence."""
     pool = _pool(kv_dtype)
     lens = [37, 300, 5, 128]
+    prefix_lens = [30, 64, 4, 127] if cached else None
     slots, start = [], 1
     for n in lens:
         slots.append(torch.arange(start, start + n))
         start += n + 11  # gaps: slots need not be contiguous
-    step = prepare_prefill([[1] * n for n in lens], slots)
-    q = torch.randn(sum(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    step = prepare_prefill([[1] * n for n in lens], slots, prefix_lens)
+    q = torch.randn(step.input_ids.numel(), HQ, D, device="cuda", dtype=torch.bfloat16)
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
     got = _run(_flashinfer(kv_dtype, cascade=True), step, pool, q)
+    assert (got - ref).abs().max().item() < ATOL
+
+
+def test_prefill_of_last_tokens_only_matches_reference() -> None:
+    """Every prompt cached but its last token: one query per sequence, over all its slots."""
+    pool = _pool(torch.bfloat16)
+    lens = [9, 40, 3]
+    slots = [torch.arange(1 + 50 * i, 1 + 50 * i + n) for i, n in enumerate(lens)]
+    step = prepare_prefill([[1] * n for n in lens], slots, [n - 1 for n in lens])
+    q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
+    got = _run(_flashinfer(torch.bfloat16, cascade=True), step, pool, q)
     assert (got - ref).abs().max().item() < ATOL
 
 

@@ -24,6 +24,12 @@ def _pool(dtype: torch.dtype, slots: int = 8192) -> KVPool:
     return pool
 
 
+def _strided_q(tokens: int) -> torch.Tensor:
+    """q as the models pass it: the q part of a fused [T, (Hq + 2 Hkv) * D] qkv projection."""
+    qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    return qkv[:, : HQ * D].view(tokens, HQ, D)
+
+
 def _run(backend, step, pool, q) -> torch.Tensor:
     meta = backend.plan(step)
     batch = ForwardBatch(
@@ -59,7 +65,7 @@ def test_prefill_matches_reference(kv_dtype: torch.dtype, cached: bool) -> None:
         slots.append(torch.arange(start, start + n))
         start += n + 11  # gaps: slots need not be contiguous
     step = prepare_prefill([[1] * n for n in lens], slots, prefix_lens)
-    q = torch.randn(step.input_ids.numel(), HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = _strided_q(step.input_ids.numel())
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
     got = _run(_flashinfer(kv_dtype, cascade=True), step, pool, q)
     assert (got - ref).abs().max().item() < ATOL
@@ -71,7 +77,7 @@ def test_prefill_of_last_tokens_only_matches_reference() -> None:
     lens = [9, 40, 3]
     slots = [torch.arange(1 + 50 * i, 1 + 50 * i + n) for i, n in enumerate(lens)]
     step = prepare_prefill([[1] * n for n in lens], slots, [n - 1 for n in lens])
-    q = torch.randn(len(lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = _strided_q(len(lens))
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
     got = _run(_flashinfer(torch.bfloat16, cascade=True), step, pool, q)
     assert (got - ref).abs().max().item() < ATOL
@@ -96,7 +102,7 @@ def test_beam_decode_matches_reference(kv_dtype: torch.dtype, cascade: bool) -> 
         prompts=torch.cat(prompt_slots).cuda(), prompt_lens=torch.tensor(prompt_lens),
         row_request=row_request, history=history.cuda(), own=own.cuda(),
     )  # fmt: skip
-    q = torch.randn(rows, HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = _strided_q(rows)
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
     backend = _flashinfer(kv_dtype, cascade)
     got = _run(backend, step, pool, q)

@@ -175,18 +175,16 @@ class FlashInferAttentionBackend:
             paged_kv_indices_buf=buf["prefix_idx"],
             paged_kv_last_page_len_buf=buf["ones"][:num_requests],
         )  # fmt: skip
-        suffix = self._decode_wrapper(
-            self.suffix_workspace, use_cuda_graph=True,
-            paged_kv_indptr_buffer=buf["row_kv"][: num_rows + 1],
-            paged_kv_indices_buffer=buf["suffix_idx"],
-            paged_kv_last_page_len_buffer=buf["ones"][:num_rows],
-        )  # fmt: skip
-        flat = self._decode_wrapper(
-            self.workspace, use_cuda_graph=True,
-            paged_kv_indptr_buffer=buf["row_kv"][: num_rows + 1],
-            paged_kv_indices_buffer=buf["flat_idx"],
-            paged_kv_last_page_len_buffer=buf["ones"][:num_rows],
-        )  # fmt: skip
+        def per_row(workspace: torch.Tensor, indices: str) -> Any:
+            return self._decode_wrapper(
+                workspace, use_cuda_graph=True,
+                paged_kv_indptr_buffer=buf["row_kv"][: num_rows + 1],
+                paged_kv_indices_buffer=buf[indices],
+                paged_kv_last_page_len_buffer=buf["ones"][:num_rows],
+            )  # fmt: skip
+
+        suffix = per_row(self.suffix_workspace, "suffix_idx")
+        flat = per_row(self.workspace, "flat_idx")
         return GraphAttention(num_requests, num_rows, prefix, suffix, flat)
 
     def _buffers(self) -> dict[str, torch.Tensor]:

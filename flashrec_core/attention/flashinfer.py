@@ -175,6 +175,7 @@ class FlashInferAttentionBackend:
             paged_kv_indices_buf=buf["prefix_idx"],
             paged_kv_last_page_len_buf=buf["ones"][:num_requests],
         )  # fmt: skip
+
         def per_row(workspace: torch.Tensor, indices: str) -> Any:
             return self._decode_wrapper(
                 workspace, use_cuda_graph=True,

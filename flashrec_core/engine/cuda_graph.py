@@ -166,7 +166,9 @@ class DecodeGraphs:
             return Selection(out.parent.clone(), out.code.clone(), out.node.clone(),
                              out.score.clone())  # fmt: skip
 
-    def _capture(self, key: tuple[int, int, int], step: StepInput, layout: BeamLayout) -> _StepGraph:
+    def _capture(
+        self, key: tuple[int, int, int], step: StepInput, layout: BeamLayout
+    ) -> _StepGraph:
         level, num_requests, _ = key
         rows = layout.num_rows
         start = time.perf_counter()

@@ -9,6 +9,7 @@ test them with `flashrec_kernels.testing`.
 
 from __future__ import annotations
 
+from .beam_attention import beam_cascade_attention, beam_cascade_attention_ref
 from .device import triton_available, triton_interpreting
 from .fp8 import (
     FP8_DTYPE,
@@ -38,6 +39,8 @@ __all__ = [
     "FP8_MAX",
     "MIN_ABSMAX",
     "TrieTopK",
+    "beam_cascade_attention",
+    "beam_cascade_attention_ref",
     "pack_keys",
     "per_token_quant_fp8",
     "per_token_quant_fp8_ref",

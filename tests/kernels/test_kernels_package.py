@@ -25,6 +25,7 @@ def test_every_kernel_has_a_reference() -> None:
         "silu_mul_quant_fp8",
         "rope_norm_store",
         "trie_topk",
+        "beam_cascade_attention",
     }
     assert {f"{k}_ref" for k in kernels} | kernels <= names
     assert all(hasattr(flashrec_kernels, name) for name in names)

@@ -63,6 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
     bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     bench.add_argument("--no-graphs", action="store_true", help="eager beam steps (no CUDA graphs)")
+    bench.add_argument(
+        "--beam-attention", choices=["cascade", "triton"], default="cascade",
+        help="beam steps' attention: FlashInfer cascade or the one-pass Triton kernel",
+    )  # fmt: skip
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
     bench.add_argument("--hf-batch", type=int, default=4)
@@ -110,6 +114,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
     p.add_argument(
+        "--beam-attention", choices=["cascade", "triton"], default="cascade",
+        help="beam steps' attention: the backend's cascade or the one-pass Triton kernel",
+    )  # fmt: skip
+    p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
         help="turn a fused path off, e.g. enable_fused_rms_fp8 (repeatable)",
     )  # fmt: skip
@@ -149,7 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
         max_wave_rows=args.max_wave_rows,
         disabled_fused=tuple(args.disable_fused),
         prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade,
-        cuda_graphs=not args.no_cuda_graphs, **known,
+        cuda_graphs=not args.no_cuda_graphs, beam_attention=args.beam_attention, **known,
     )  # fmt: skip
 
 
@@ -225,6 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
         catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
         cascade=not args.no_cascade, graphs=not args.no_graphs, rows_per_wave=args.rows_per_wave,
+        beam_attention=args.beam_attention,
         hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
         profile_path=args.profile,
     )  # fmt: skip

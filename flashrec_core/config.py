@@ -34,6 +34,10 @@ class EngineConfig(BaseModel):
     """Reuse the KV of prompt prefixes seen before (radix tree, LRU eviction)."""
     cascade_attention: bool = True
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
+    beam_attention: Literal["cascade", "triton"] = "cascade"
+    """Beam steps' attention: "cascade" = the backend's two levels (FlashInfer prefix prefill +
+    per-beam decode + merge, or the torch reference); "triton" = one Triton kernel per layer
+    (prompt + own slots in one pass; interpreter-checked, not yet measured on a GPU)."""
     cuda_graphs: bool = True
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and the FlashInfer backend, else steps run eagerly (logged)."""

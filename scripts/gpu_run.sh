@@ -3,7 +3,8 @@
 # in order. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (cascade, FP8,
-# graphs off), bench50 / bench512 (one width), gputests (tests/gpu + the beam kernel only). Each stage runs under its own time guard (STAGE_S seconds,
+# graphs off), bench50 / bench512 (one width), triton (beam steps through the Triton kernel),
+# gputests (tests/gpu + the beam kernels only). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -38,7 +39,7 @@ for what in "${@:-tests}"; do
   case $what in
     gputests)
       FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q --tb=short -p no:cacheprovider \
-        tests/gpu tests/kernels/test_trie_topk.py 2>&1 | tee "$out/gpu_tests.log" | tail -60 ;;
+        tests/gpu tests/kernels/test_trie_topk.py tests/kernels/test_beam_attention.py 2>&1 | tee "$out/gpu_tests.log" | tail -60 ;;
     tests)
       # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each).
       FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu \
@@ -46,6 +47,9 @@ for what in "${@:-tests}"; do
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     bench50)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
+    triton)  # the one-pass Triton beam attention against the FlashInfer cascade, both widths
+      bench -n 50 --requests 400 --beam-attention triton --no-hf-baseline --out "$out/bench_n50_triton.json" 2>&1 | tail -16
+      bench -n 512 --requests 64 --beam-attention triton --no-hf-baseline --out "$out/bench_n512_triton.json" 2>&1 | tail -16 ;;
     bench512)
       bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;
     bench)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flashrec_core.attention import AttentionBackend, create_attention_backend
-from flashrec_core.config import EngineConfig
+from flashrec_core.config import EngineConfig, triton_usable
 from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
 from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocator
 from flashrec_core.layers import ForwardBatch
@@ -103,6 +103,8 @@ class ModelRunner:
             kv_dtype=self.kv_pool.dtype, cascade=ecfg.cascade_attention,
             max_rows=ecfg.max_wave_rows, max_requests=ecfg.max_requests, max_context=max_context,
         )  # fmt: skip
+        if ecfg.beam_attention == "triton":
+            self.attn_backend = _with_triton_beam_steps(self.attn_backend, ecfg, max_context)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, registry: Registry | None = None) -> ModelRunner:
@@ -154,6 +156,21 @@ class ModelRunner:
         out = hidden.float() @ self.lm_head().float().t()
         bias = self.lm_head_bias()
         return out if bias is None else out + bias.float()
+
+
+def _with_triton_beam_steps(
+    backend: AttentionBackend, ecfg: EngineConfig, max_context: int
+) -> AttentionBackend:
+    from flashrec_core.attention.triton_beam import TritonBeamAttention
+
+    ok, why = triton_usable(ecfg)
+    if not ok:
+        raise ValueError(f"beam_attention='triton' needs Triton kernels here: {why}")
+    device = torch.device(ecfg.device)
+    return TritonBeamAttention(
+        backend, device, max_rows=ecfg.max_wave_rows,
+        max_prompt_slots=ecfg.max_requests * max_context,
+    )  # fmt: skip
 
 
 def prepare_prefill(

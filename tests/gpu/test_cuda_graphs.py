@@ -17,7 +17,7 @@ from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["cascade", "flat"])
+@pytest.fixture(scope="module", params=["cascade", "flat", "triton"])
 def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     spec = Registry.discover().resolve("Qwen3ForCausalLM")
     path = tmp_path_factory.mktemp("graphs")
@@ -25,7 +25,8 @@ def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     catalog = write_catalog(path / "c.json", random_codes(400, seed=3))
     cfg = EngineConfig(
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
-        cascade_attention=request.param == "cascade", max_wave_rows=256, quantization="none",
+        cascade_attention=request.param != "flat", max_wave_rows=256, quantization="none",
+        beam_attention="triton" if request.param == "triton" else "cascade",
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf
 

@@ -1,0 +1,126 @@
+"""Beam steps through the Triton beam-cascade kernel (interpreted on CPU) vs the torch backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrec_core.attention import TorchAttentionBackend
+from flashrec_core.attention.triton_beam import BeamKernelMetadata, TritonBeamAttention
+from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.beam_wave import prepare_beam_decode
+from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.model_runner import prepare_prefill
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import ForwardBatch
+from flashrec_core.registry import Registry
+from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
+from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+
+pytest.importorskip("triton")
+CPU = torch.device("cpu")
+HQ, HKV, D = 4, 2, 32
+# Both paths: fp32 softmax over the same slots; the kernel rounds its output to bf16 (2^-9
+# relative on values |v| <= ~3) and sums in another order: 2e-2 absolute covers both.
+ATOL = 2e-2
+BEAM_TOL = 0.05
+"""Per-beam log-prob gap between the two engines: three steps of ~1e-2 bf16 attention noise."""
+
+
+def _beam_step(kv_dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    pool = KVPool(1, HKV, D, 256, kv_dtype, CPU)
+    pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, generator=gen).to(kv_dtype))
+    pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, generator=gen).to(kv_dtype))
+    widths, prompt_lens = [3, 1, 5], torch.tensor([7, 1, 12])
+    row_request = torch.repeat_interleave(torch.arange(3), torch.tensor(widths))
+    rows = row_request.numel()
+    step = prepare_beam_decode(
+        tokens=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
+        prompts=torch.randint(1, 100, (int(prompt_lens.sum()),), generator=gen),
+        prompt_lens=prompt_lens, row_request=row_request,
+        history=torch.randint(100, 200, (rows, 1), generator=gen),
+        own=torch.arange(200, 200 + rows),
+    )  # fmt: skip
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=gen).to(torch.bfloat16)
+    return pool, step, qkv[:, : HQ * D].view(rows, HQ, D)  # strided, as models pass it
+
+
+def _attend(backend, step, pool, q) -> torch.Tensor:
+    meta = backend.plan(step)
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
+    return backend.forward(q, 0, D**-0.5, batch).float()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_beam_step_matches_the_torch_backend(kv_dtype: torch.dtype) -> None:
+    pool, step, q = _beam_step(kv_dtype)
+    torch_backend = TorchAttentionBackend(CPU)
+    triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
+    assert isinstance(triton.plan(step), BeamKernelMetadata)
+    ref = _attend(torch_backend, step, pool, q.float()).view(q.shape[0], -1)
+    got = _attend(triton, step, pool, q).view(q.shape[0], -1)
+    assert (got - ref).abs().max().item() < ATOL
+
+
+def test_other_steps_go_to_the_wrapped_backend() -> None:
+    torch_backend = TorchAttentionBackend(CPU)
+    triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
+    step = prepare_prefill([[1, 2, 3]], [torch.tensor([5, 6, 7])])
+    assert not isinstance(triton.plan(step), BeamKernelMetadata)
+
+
+def test_generate_with_triton_beam_steps_matches_cascade(tmp_path: Path) -> None:
+    """The whole engine (BF16 on CPU): beams and scores as with the torch backend's steps."""
+    spec = Registry.discover().resolve("Qwen3ForCausalLM")
+    write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=LEVELS)
+    catalog = write_catalog(tmp_path / "c.json", random_codes(300, seed=5))
+    engines = [
+        Engine.from_config(
+            EngineConfig(
+                model_path=str(tmp_path),
+                device="cpu",
+                dtype="bfloat16",
+                show_progress=False,
+                kv_cache_tokens=4096,
+                beam_attention=mode,
+                triton_on_cpu=mode == "triton",
+                enable_fused_rms_fp8=False,
+                enable_fused_silu_fp8=False,
+                enable_fused_qk_rope_kv=False,
+            ),
+            SearchConfig(catalog_path=str(catalog)),
+        )  # fmt: skip
+        for mode in ("cascade", "triton")
+    ]
+    assert isinstance(engines[1].runner.attn_backend, TritonBeamAttention)
+    results = []
+    for engine in engines:
+        reqs = [engine.make_request(prompt=f"user w{i} w{i + 2} item", n=6) for i in range(2)]
+        results.append(engine.generate(reqs))
+    # The same search over the same weights; attention outputs differ by bf16 rounding only
+    # (~1e-2 on a beam's log-prob), so beams may swap ranks, or places at the cut, only when
+    # their scores are that close.
+    for a, b in zip(*results):
+        score_a = {c.codes: c.logprob for c in a.choices}
+        score_b = {c.codes: c.logprob for c in b.choices}
+        for codes in score_a.keys() & score_b.keys():
+            assert abs(score_a[codes] - score_b[codes]) < BEAM_TOL, codes
+        for only, cut in ((score_a.keys() - score_b.keys(), min(score_b.values())),
+                          (score_b.keys() - score_a.keys(), min(score_a.values()))):  # fmt: skip
+            for codes in only:
+                lp = score_a.get(codes, score_b.get(codes))
+                assert lp < cut + BEAM_TOL, f"{codes} ({lp:.4f}) lost above the cut {cut:.4f}"
+
+
+def test_triton_beam_steps_need_triton_here(tmp_path: Path) -> None:
+    spec = Registry.discover().resolve("Qwen3ForCausalLM")
+    write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=LEVELS)
+    cfg = EngineConfig(
+        model_path=str(tmp_path), device="cpu", show_progress=False, kv_cache_tokens=1024,
+        beam_attention="triton",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="beam_attention='triton' needs Triton"):
+        Engine.from_config(cfg, SearchConfig())

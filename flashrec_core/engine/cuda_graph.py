@@ -47,6 +47,19 @@ def capture_request_counts(width: int, max_rows: int) -> list[int]:
     return sorted(set(ladder + [most])) if most >= 1 else []
 
 
+def graph_padding(widths: list[int], sampling: bool, max_rows: int) -> tuple[int | None, str]:
+    """(request count of the graph a wave of these beam widths replays, "") or (None, why the
+    wave runs eagerly). Decided per wave, before anything is captured."""
+    if sampling:
+        return None, "sampling (temperature > 0) draws per-request noise on the host"
+    if len(set(widths)) != 1:
+        return None, "requests of one wave ask for different n"
+    fits = [b for b in capture_request_counts(widths[0], max_rows) if b >= len(widths)]
+    if not fits:
+        return None, f"{len(widths)} x {widths[0]} rows exceed max_wave_rows {max_rows}"
+    return fits[0], ""
+
+
 @dataclass
 class GraphStats:
     replays: int = 0
@@ -83,6 +96,7 @@ class DecodeGraphs:
             self._score = torch.zeros(max_rows, dtype=torch.float32, device=dev)
             self._node = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self._logged: set[str] = set()
+        self._eager_reason = ""  # why the last wave `padded_requests` turned down runs eagerly
 
     @classmethod
     def create(cls, runner: ModelRunner, step_fn: StepFn) -> DecodeGraphs | None:
@@ -103,22 +117,11 @@ class DecodeGraphs:
     def padded_requests(self, widths: list[int], sampling: bool) -> int | None:
         """Requests of this wave once padded to a capture size, or None: run it eagerly (the
         reason is counted per step by `count_eager` and logged once)."""
-        reason = None
-        if sampling:
-            reason = "sampling (temperature > 0) draws per-request noise on the host"
-        elif len(set(widths)) != 1:
-            reason = "requests of one wave ask for different n"
-        else:
-            sizes = capture_request_counts(widths[0], self.max_rows)
-            fits = [b for b in sizes if b >= len(widths)]
-            if fits:
-                return fits[0]
-            reason = f"{len(widths)} x {widths[0]} rows exceed max_wave_rows {self.max_rows}"
-        self._eager_reason = reason
-        return None
+        padded, self._eager_reason = graph_padding(widths, sampling, self.max_rows)
+        return padded
 
     def count_eager(self, steps: int) -> None:
-        reason = getattr(self, "_eager_reason", "no graph for this wave")
+        reason = self._eager_reason
         self.stats.eager_steps += steps
         self.stats.eager_reasons[reason] += steps
         if reason not in self._logged:

@@ -21,7 +21,7 @@ from flashrec_core.bench.workload import (
     synthetic_requests,
 )
 from flashrec_core.config import EngineConfig
-from flashrec_core.engine.beam_wave import BeamWave
+from flashrec_core.engine.beam_wave import BeamWave, WaveOutput
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.engine.scheduler import plan_waves
@@ -54,7 +54,7 @@ class BenchConfig:
     """Write a torch.profiler table (CUDA and CPU time per op) of one extra wave here."""
 
 
-def _build(bc: BenchConfig) -> tuple[BeamWave, Any]:
+def _build(bc: BenchConfig) -> tuple[BeamWave, Any, torch.Tensor]:
     shape = load_shape(bc.preset, bc.config_path)
     per_wave = bc.rows_per_wave // bc.n
     kv_tokens = per_wave * (bc.prompt_len + bc.n * len(bc.level_sizes)) + 1024
@@ -70,11 +70,12 @@ def _build(bc: BenchConfig) -> tuple[BeamWave, Any]:
     codes = random_catalog(bc.level_sizes, bc.catalog_size, bc.seed)
     trie = build_trie(codes, bc.level_sizes).to(runner.device)
     head = RestrictedLMHead(runner.lm_head(), runner.lm_head_bias(), layout)
-    return BeamWave(runner, head, trie, layout), shape
+    catalog = torch.from_numpy(codes).to(runner.device)
+    return BeamWave(runner, head, trie, layout), shape, catalog
 
 
 def run_bench(bc: BenchConfig) -> dict[str, Any]:
-    wave, shape = _build(bc)
+    wave, shape, catalog = _build(bc)
     runner, layout = wave.runner, wave.sid
     requests = synthetic_requests(
         RequestSpec(bc.num_requests, bc.prompt_len, bc.shared_prefix, bc.n), layout, bc.seed
@@ -95,8 +96,9 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     stats_before = _graph_counts(wave)
     wave.timeline = []
     ends = []
+    outputs = []
     for group in waves:
-        wave.run(group)
+        outputs.append(wave.run(group))
         ends.append(wave.timeline[-1][1])
     torch.cuda.synchronize()
     marks = wave.timeline
@@ -118,6 +120,7 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
         "latency_p99_ms": float(np.percentile(latencies, 99)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         **_graph_window(wave, stats_before, len(stages["decode"])),
+        **_check_results(outputs, catalog),
         "fused_paths": sorted(runner.loaded.context.fused),
     }
     result.update(_roofline(bc, runner, waves, total_s))
@@ -148,6 +151,18 @@ def _profile(wave: BeamWave, requests: list[GenerationRequest], path: str) -> No
     by_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
     with open(path, "w") as f:
         f.write("# sorted by CUDA time\n" + by_cuda + "\n# sorted by CPU time\n" + by_cpu)
+
+
+def _check_results(outputs: list[WaveOutput], catalog: torch.Tensor) -> dict[str, int]:
+    """Every live beam must name a catalog item (its codes = the catalog row it landed on);
+    a 1M-item catalog reaches every n here, so dead beams should be 0 too."""
+    invalid = dead = 0
+    for out in outputs:
+        alive = torch.isfinite(out.scores)
+        dead += int((~alive).sum())
+        rows = out.nodes[alive]
+        invalid += int((catalog[rows] != out.codes[alive]).any(dim=1).sum())
+    return {"invalid_sids": invalid, "dead_beams": dead}
 
 
 def _graph_counts(wave: BeamWave) -> tuple[int, int]:
@@ -203,7 +218,7 @@ def print_table(result: dict[str, Any]) -> None:
         "gpu", "waves", "requests_per_s", "prefill_tokens_per_s", "prefill_ms_per_wave",
         "decode_step_ms_full_wave", "latency_p50_ms", "latency_p99_ms", "peak_memory_gib",
         "roofline_requests_per_s", "percent_of_roofline", "graph_replays", "eager_steps",
-        "graph_captures",
+        "graph_captures", "invalid_sids", "dead_beams",
         "hf_requests_per_s", "speedup_vs_hf",
     ]  # fmt: skip
     for k in keys:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from flashrec_core.bench.roofline import Peaks, wave_cost
 from flashrec_core.bench.workload import (
@@ -59,3 +60,18 @@ def test_synthetic_catalog_and_requests() -> None:
     assert all(len(r.prompt_ids) == 100 and r.prompt_ids[-1] == layout.begin_token_id for r in reqs)
     assert len({r.prompt_ids[:16] for r in reqs}) == 1 and len({r.prompt_ids for r in reqs}) == 3
     assert max(max(r.prompt_ids[:-1]) for r in reqs) < layout.sid_start
+
+
+def test_result_check_counts_beams_off_the_catalog() -> None:
+    from flashrec_core.bench.run import _check_results
+    from flashrec_core.engine.beam_wave import WaveOutput
+    from flashrec_core.search.beam import BeamLayout
+
+    catalog = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    out = WaveOutput(
+        BeamLayout.create([4], torch.device("cpu")),
+        codes=torch.tensor([[3, 4, 5], [0, 1, 2], [6, 7, 0], [0, 0, 0]]),
+        scores=torch.tensor([-1.0, -2.0, -3.0, float("-inf")]),
+        nodes=torch.tensor([1, 0, 2, 0]),
+    )
+    assert _check_results([out], catalog) == {"invalid_sids": 1, "dead_beams": 1}

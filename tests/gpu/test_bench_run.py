@@ -18,6 +18,7 @@ def test_bench_reports_every_field() -> None:
     assert result["waves"] == 3 and len(result["wave_end_ms"]) == 3
     assert result["requests_per_s"] > 0 and result["hf_requests_per_s"] > 0
     assert 0 < result["percent_of_roofline"] < 100
+    assert result["invalid_sids"] == 0 and result["dead_beams"] == 0
     # every measured beam step replays a graph captured during warm-up
     assert result["eager_steps"] == 0 and result["graph_replays"] == 6
 

@@ -27,8 +27,8 @@ __all__ = ["BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_WARPS", "launch_beam_cascade
 
 # Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
 # BLOCK_M packed (row, q head) pairs per program: 128 for head_dim <= 128 (a [128, D] fp32
-# accumulator fits 8 warps' registers), 64 above. Qwen3-1.7B beam steps (50 rows x group 2 = 100
-# packed rows) fill one tile. BLOCK_N prompt slots per K/V chunk.
+# accumulator fits 8 warps' registers), 64 above. A 50-beam request with GQA group 2 (100
+# packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk.
 BLOCK_M = {64: 128, 128: 128, 256: 64}
 BLOCK_N = 64
 NUM_WARPS = 8

@@ -1,6 +1,7 @@
-"""The Triton kernels compile for an H100/H200 (sm_90) here, with no GPU: Triton's own compiler
-and ptxas produce the cubin. The interpreter never compiles, so without this a kernel can pass
-every CPU test and still fail to build on the device (it happened to the RoPE kernel once).
+"""Every shared Triton kernel compiles for an H100/H200 (sm_90) here, with no GPU: Triton's own
+compiler and ptxas produce the cubin (`flashrec_kernels.gpu_compile`). The interpreter never
+compiles, so without this a kernel can pass every CPU test and still fail to build on the
+device (it happened to the RoPE kernel once).
 
 Runs in a subprocess: under TRITON_INTERPRET=1 (set for these tests) `@triton.jit` makes
 interpreted functions, which cannot be compiled."""
@@ -10,50 +11,59 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
-_SCRIPT = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from flashrec_kernels import triton_beam_attention as m
+_SCRIPT = """
+import torch
+from flashrec_kernels.gpu_compile import compiled_launches
+from flashrec_kernels.trie_topk import CsrLevel, DenseLevel
+from flashrec_kernels import triton_beam_attention as att, triton_quant, triton_rms_norm
+from flashrec_kernels import triton_rope, triton_silu_mul, triton_trie_topk
 
-    kv, head_dim, group = {kv!r}, {head_dim}, {group}
-    fn = m._beam_cascade_attention_kernel
-    names = fn.arg_names
-    pointers = {{
-        "q_ptr": "*bf16", "o_ptr": "*bf16", "k_cache_ptr": "*" + kv, "v_cache_ptr": "*" + kv,
-        "prefix_indptr_ptr": "*i32", "prefix_idx_ptr": "*i32", "row_indptr_ptr": "*i32",
-        "suffix_ptr": "*i32", "qk_scale": "fp32",
-    }}
-    consts = dict(GROUP=group, S=2, D=head_dim, BLOCK_M=m.BLOCK_M[head_dim], BLOCK_N=m.BLOCK_N,
-                  INTERPRET=False)
-    signature = {{n: pointers.get(n, "i32") for n in names}}
-    signature.update({{n: "constexpr" for n in consts}})
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={{(names.index(n),): v for n, v in consts.items()}})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=m.NUM_WARPS, num_stages=m.NUM_STAGES))
-    assert kernel.asm["cubin"], "no cubin"
-    assert "wgmma" in kernel.asm["ptx"], "the prompt chunks should use Hopper tensor cores"
-    print("ok")
-    """
-)
+T, H, HQ, HKV, D = 4, 2048, 16, 8, 128
+bf16, fp8, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64
+x = torch.zeros(T, H, dtype=bf16)
+with compiled_launches(90) as done:
+    triton_quant.launch_per_token_quant_fp8(x)
+    triton_rms_norm.launch_rms_norm_quant_fp8(x, torch.ones(H, dtype=bf16), 1e-6, x.clone())
+    triton_rms_norm.launch_rms_norm_quant_fp8(x, torch.ones(H, dtype=bf16), 1e-6, None)
+    triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16))
+    qkv = torch.zeros(T, (HQ + 2 * HKV) * D, dtype=bf16)
+    q, k, v = (qkv[:, :HQ * D].view(T, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D),
+               qkv[:, (HQ + HKV) * D:].view(T, HKV, D))
+    cache = torch.zeros(64, HKV, D, dtype=fp8)
+    cos_sin = torch.zeros(1024, D, dtype=torch.float32)
+    pos, loc = torch.zeros(T, dtype=i64), torch.zeros(T, dtype=i64)
+    norms = (torch.ones(D, dtype=bf16), torch.ones(D, dtype=bf16))
+    triton_rope.launch_rope_norm_store(q, k, v, pos, cos_sin, cache, cache.clone(), loc, norms, 1e-6, D)
+    triton_rope.launch_rope_norm_store(q, k, v, pos, cos_sin, cache, cache.clone(), loc, (None, None),
+                                       1e-6, D // 2)
+    lp = torch.zeros(T, 8192, dtype=torch.float32)
+    nodes, parent = torch.zeros(T, dtype=i64), torch.zeros(T, dtype=torch.float32)
+    triton_trie_topk.launch_trie_topk(DenseLevel(torch.zeros(16, 8192, dtype=i32)), nodes, parent,
+                                      lp, 50, None)
+    csr = CsrLevel(torch.zeros(17, dtype=i64), torch.zeros(64, dtype=i32), torch.zeros(64, dtype=i32), 200)
+    triton_trie_topk.launch_trie_topk(csr, nodes, parent, lp, 200, torch.zeros(T, 200))
+    rows = torch.tensor([0, 2, 4], dtype=i32)
+    att.launch_beam_cascade_attention(
+        q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
+        torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16))
+names = sorted({c.kernel for c in done})
+assert all(c.cubin_bytes > 0 for c in done), names
+assert any("wgmma" in c.ptx for c in done if c.kernel == "_beam_cascade_attention_kernel")
+print("compiled", len(done), names)
+"""
 
 
-@pytest.mark.parametrize(
-    ("kv", "head_dim", "group"), [("fp8e4nv", 128, 2), ("bf16", 64, 1), ("bf16", 128, 4)]
-)
-def test_beam_cascade_attention_compiles_for_sm90(kv: str, head_dim: int, group: int) -> None:
+def test_shared_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = _SCRIPT.format(kv=kv, head_dim=head_dim, group=group)
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900
     )
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    for kernel in ("quant", "rms_norm", "silu_mul", "rope", "trie_topk", "beam_cascade"):
+        assert kernel in proc.stdout, f"no {kernel} kernel compiled: {proc.stdout}"

@@ -1,0 +1,93 @@
+"""Compile Triton kernels for a GPU architecture on a machine without one (a CI check).
+
+The interpreter (how CPU tests run the kernels) never compiles, so a kernel can pass every CPU
+test and still fail to build on the device. `compiled_launches` makes each `kernel[grid](...)`
+launch compile for the target instead (Triton's compiler and its bundled ptxas), so calling a
+kernel's launcher with small CPU tensors proves it builds. Plugins use it for their own
+kernels. Needs a process without TRITON_INTERPRET (jit functions are then real JITFunctions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CompiledLaunch", "compiled_launches"]
+
+_POINTER_TYPES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8e4nv", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
+    torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}  # fmt: skip
+
+
+@dataclass
+class CompiledLaunch:
+    kernel: str
+    ptx: str
+    cubin_bytes: int
+
+
+@dataclass
+class _Recorder:
+    arch: int
+    launches: list[CompiledLaunch] = field(default_factory=list)
+
+    def compile(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        params = fn.params
+        values = dict(zip((p.name for p in params), args))
+        values.update(kwargs)
+        signature, constexprs = {}, {}
+        for i, p in enumerate(params):
+            value = values.get(p.name, p.default)
+            if p.is_constexpr or value is None:
+                signature[p.name] = "constexpr"
+                constexprs[(i,)] = value
+            else:
+                signature[p.name] = _type_of(value)
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
+        self.launches.append(
+            CompiledLaunch(fn.__name__, compiled.asm["ptx"], len(compiled.asm["cubin"]))
+        )
+
+
+def _type_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type a kernel argument of {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def compiled_launches(arch: int = 90) -> Iterator[list[CompiledLaunch]]:
+    """Within the block, kernel launches compile for sm_`arch` instead of running (outputs stay
+    unwritten); call the `launch_*` functions (the public wrappers refuse CPU tensors). Yields
+    the list of compiled launches, filled as they happen."""
+    from triton.runtime.jit import JITFunction
+
+    recorder = _Recorder(arch)
+    original_run = JITFunction.run
+
+    def run(self: Any, *args: Any, grid: Any = None, warmup: bool = False, **kwargs: Any) -> None:
+        recorder.compile(self, args, kwargs)
+
+    JITFunction.run = run  # type: ignore[method-assign]
+    try:
+        yield recorder.launches
+    finally:
+        JITFunction.run = original_run  # type: ignore[method-assign]

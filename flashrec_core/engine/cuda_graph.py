@@ -87,6 +87,7 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int, int], _StepGraph] = {}
+        self._failed: dict[tuple[int, int, int], str] = {}  # shape -> why its capture failed
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -149,6 +150,11 @@ class DecodeGraphs:
     ) -> Selection:  # fmt: skip
         rows = layout.num_rows
         key = (level, layout.widths.numel(), layout.max_width)
+        if key in self._failed:  # this shape could not be captured: its steps stay eager
+            self._eager_reason = self._failed[key]
+            self.count_eager(1)
+            hidden = self.runner.forward(step)
+            return self.step_fn(level, hidden, score, node, layout)
         graph = self._graphs.get(key)
         with torch.inference_mode():
             self._ids[:rows].copy_(step.input_ids, non_blocking=True)
@@ -157,7 +163,13 @@ class DecodeGraphs:
             self._score[:rows].copy_(score)
             self._node[:rows].copy_(node)
             if graph is None:
-                graph = self._capture(key, step, layout)
+                try:
+                    graph = self._capture(key, step, layout)
+                except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
+                    self._failed[key] = (
+                        f"capture of level {level}, {key[1]} x {key[2]} failed: {exc}"
+                    )
+                    return self._step(level, step, score, node, layout, replay)
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
             if replay:

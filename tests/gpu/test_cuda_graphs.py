@@ -118,3 +118,23 @@ def test_sampling_waves_fall_back_to_eager_and_say_why(engine: Engine) -> None:
     assert len(res.choices) == 4
     assert graphs.stats.eager_steps - eager_before == len(LEVELS) - 1
     assert any("sampling" in reason for reason in graphs.stats.eager_reasons)
+
+
+def test_a_failed_capture_runs_eagerly_and_says_why(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphs = engine.wave.graphs
+    assert graphs is not None
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated capture failure")
+
+    monkeypatch.setattr(graphs, "_capture", fail)
+    eager_before = graphs.stats.eager_steps
+    try:
+        [res] = engine.generate([engine.make_request(prompt="user w5 w6 item", n=3)])
+        assert len(res.choices) == 3
+        assert graphs.stats.eager_steps - eager_before == len(LEVELS) - 1
+        assert any("simulated capture failure" in why for why in graphs.stats.eager_reasons)
+    finally:
+        graphs._failed.clear()

@@ -31,9 +31,11 @@ if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
-WORKSPACE_BYTES = 2 << 30
-"""Split-KV scratch per workspace: 8,000-beam steps in CUDA-graph mode (grid padded for the largest
-plan) asked for 1.2 GB on an H200."""
+MIN_WORKSPACE_BYTES = 256 << 20
+WORKSPACE_BYTES_PER_ROW = 256 << 10
+"""Split-KV scratch grows with the beam rows of a step: CUDA-graph-mode plans (grid padded for
+the largest plan) asked for 1.2 GB at 8,000 rows on an H200, ~150 KB a row; 256 KB a row leaves
+room (2 GiB per workspace at the default 8,192 rows)."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,9 @@ class FlashInferAttentionBackend:
         # NOTE: two float workspaces: the prefix and suffix kernels of one cascade layer run back
         # to back; every other wrapper (also in graph mode) shares one of them, since one step
         # runs at a time on one stream.
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.suffix_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        size = max(MIN_WORKSPACE_BYTES, WORKSPACE_BYTES_PER_ROW * max_rows)
+        self.workspace = torch.empty(size, dtype=torch.uint8, device=device)
+        self.suffix_workspace = torch.empty(size, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = self._decode_wrapper(self.workspace)
         self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

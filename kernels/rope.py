@@ -143,7 +143,7 @@ def rope_norm_store(
     eps: float = 1e-6,
     rotary_dim: int | None = None,
 ) -> None:
-    """Triton version of `rope_norm_store_ref`: one program per (token, q or kv head)."""
+    """Triton version of `rope_norm_store_ref`: one program per (token, block of up to 16 heads)."""
     norm_weights = (q_norm_weight, k_norm_weight)
     rotary_dim = check_rope_args(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, rotary_dim

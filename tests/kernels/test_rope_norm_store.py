@@ -139,6 +139,15 @@ def test_kernel_matches_ref(device: torch.device, case: str) -> None:
     _check_kernel_against_ref(device, CASES[case], hq=4, hkv=2)  # GQA
 
 
+@pytest.mark.parametrize(
+    ("hq", "hkv"), [(20, 4), (20, 20), (1, 1)], ids=["gqa-2qblocks", "mha-2blocks", "one"]
+)
+def test_kernel_head_blocks(device: torch.device, hq: int, hkv: int) -> None:
+    """A program rotates up to 16 heads: several blocks, a partial last block, a single head."""
+    case = (torch.bfloat16, FP8_DTYPE, 32, 16, True, True)
+    _check_kernel_against_ref(device, case, hq=hq, hkv=hkv)
+
+
 def test_kernel_empty_batch(device: torch.device) -> None:
     x = _qkv_views(torch.empty(0, 4 * 64, device=device), 2, 1, 64)
     caches = torch.zeros(2, NUM_SLOTS, 1, 64, device=device)

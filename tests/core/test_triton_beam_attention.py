@@ -29,13 +29,13 @@ BEAM_TOL = 0.05
 """Per-beam log-prob gap between the two engines: three steps of ~1e-2 bf16 attention noise."""
 
 
-def _beam_step(kv_dtype: torch.dtype):
+def _beam_step(kv_dtype: torch.dtype, widths: tuple[int, ...] = (3, 1, 5)):
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(1, HKV, D, 256, kv_dtype, CPU)
     pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, generator=gen).to(kv_dtype))
     pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, generator=gen).to(kv_dtype))
-    widths, prompt_lens = [3, 1, 5], torch.tensor([7, 1, 12])
-    row_request = torch.repeat_interleave(torch.arange(3), torch.tensor(widths))
+    prompt_lens = torch.tensor([7, 1, 12])
+    row_request = torch.repeat_interleave(torch.arange(3), torch.tensor(list(widths)))
     rows = row_request.numel()
     step = prepare_beam_decode(
         tokens=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
@@ -63,6 +63,20 @@ def test_beam_step_matches_the_torch_backend(kv_dtype: torch.dtype) -> None:
     ref = _attend(torch_backend, step, pool, q.float()).view(q.shape[0], -1)
     got = _attend(triton, step, pool, q).view(q.shape[0], -1)
     assert (got - ref).abs().max().item() < ATOL
+
+
+def test_graph_buffers_give_the_eager_result() -> None:
+    """The CUDA-graph path plans into fixed buffers (views reused across replays); run on CPU
+    without capture, it must compute exactly what the eager plan computes."""
+    pool, step, q = _beam_step(torch.bfloat16, widths=(4, 4, 4))  # graphs: one width per wave
+    triton = TritonBeamAttention(TorchAttentionBackend(CPU), CPU, max_rows=64, max_prompt_slots=256)
+    eager = _attend(triton, step, pool, q)
+    for _ in range(2):  # re-planning into the same buffers
+        meta = triton.plan(step, graph=triton.graph_attention(3, 12))
+        assert meta.prefix_indptr.data_ptr() == triton._graph_buffers["prefix_indptr"].data_ptr()
+        assert meta.max_rows_per_request == 4
+        batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, triton, meta)
+        assert torch.equal(triton.forward(q, 0, D**-0.5, batch).float(), eager)
 
 
 def test_other_steps_go_to_the_wrapped_backend() -> None:

@@ -10,13 +10,16 @@ kernels. Needs a process without TRITON_INTERPRET (jit functions are then real J
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "compiled_launches"]
+__all__ = ["CompiledLaunch", "compiled_launches", "run_compile_script"]
 
 _POINTER_TYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -91,3 +94,12 @@ def compiled_launches(arch: int = 90) -> Iterator[list[CompiledLaunch]]:
         yield recorder.launches
     finally:
         JITFunction.run = original_run  # type: ignore[method-assign]
+
+
+def run_compile_script(script: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """Run `script` (Python source using `compiled_launches`) in a fresh interpreter without
+    TRITON_INTERPRET, since test processes usually set it; stdout and stderr are captured."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -31,3 +31,9 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """q [T, Hq, D] -> out [T, Hq, D] in q's dtype."""
         ...
+
+
+def graph_index_buffers(device: torch.device, **lengths: int) -> dict[str, torch.Tensor]:
+    """Zeroed int32 index buffers that CUDA-graph-mode plans fill before each replay (their
+    addresses are baked into the captured kernels)."""
+    return {name: torch.zeros(n, dtype=torch.int32, device=device) for name, n in lengths.items()}

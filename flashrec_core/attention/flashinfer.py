@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flashrec_core.attention.base import graph_index_buffers
+
 if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import StepInput
     from flashrec_core.layers.batch import ForwardBatch
@@ -197,18 +199,12 @@ class FlashInferAttentionBackend:
             reqs = max(max_requests, max_rows)
             flat_len = max_rows * (max_context + max_suffix) if not self.cascade else 1
 
-            def ints(n: int) -> torch.Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=self.device)
-
-            self._graph_buffers = {
-                "prefix_qo": ints(reqs + 1),
-                "prefix_kv": ints(reqs + 1),
-                "prefix_idx": ints(max(max_requests * max_context, 1)),
-                "row_kv": ints(max_rows + 1),
-                "suffix_idx": ints(max_rows * max_suffix),
-                "flat_idx": ints(flat_len),
-                "ones": torch.ones(max(reqs, max_rows), dtype=torch.int32, device=self.device),
-            }
+            self._graph_buffers = graph_index_buffers(
+                self.device, prefix_qo=reqs + 1, prefix_kv=reqs + 1,
+                prefix_idx=max(max_requests * max_context, 1), row_kv=max_rows + 1,
+                suffix_idx=max_rows * max_suffix, flat_idx=flat_len,
+            )  # fmt: skip
+            self._graph_buffers["ones"] = torch.ones(reqs, dtype=torch.int32, device=self.device)
         return self._graph_buffers
 
     def forward(

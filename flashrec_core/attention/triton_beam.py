@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flashrec_core.attention.base import graph_index_buffers
+
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
     from flashrec_core.engine.model_runner import StepInput
@@ -65,7 +67,6 @@ class TritonBeamAttention:
             return self.inner.plan(step)
         rows = step.out_cache_loc.numel()
         suffix_len = sp.suffix_kv_indices.numel() // max(rows, 1)
-        widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
         dev = self.device
         parts = {
             "prefix_indptr": sp.prefix_kv_indptr.to(torch.int32),
@@ -73,14 +74,14 @@ class TritonBeamAttention:
             "row_indptr": sp.prefix_qo_indptr.to(torch.int32),
             "suffix": sp.suffix_kv_indices.to(dev, torch.int32),
         }
-        max_rows = int(widths.max())  # host tensor: no device sync
         if graph is None:
+            widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync
             return BeamKernelMetadata(
                 parts["prefix_indptr"].to(dev, non_blocking=True),
                 parts["prefix_indices"],
                 parts["row_indptr"].to(dev, non_blocking=True),
                 parts["suffix"].view(rows, suffix_len),
-                max_rows,
+                int(widths.max()),
             )
         # Graph: copy into the fixed buffers the captured kernel reads.
         buf = graph.buffers
@@ -97,16 +98,10 @@ class TritonBeamAttention:
     def graph_attention(self, num_requests: int, num_rows: int) -> BeamKernelGraph:
         max_rows, max_prompt_slots, max_suffix = self.limits
         if self._graph_buffers is None:
-
-            def ints(n: int) -> torch.Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=self.device)
-
-            self._graph_buffers = {
-                "prefix_indptr": ints(max_rows + 1),
-                "prefix_indices": ints(max_prompt_slots),
-                "row_indptr": ints(max_rows + 1),
-                "suffix": ints(max_rows * max_suffix),
-            }
+            self._graph_buffers = graph_index_buffers(
+                self.device, prefix_indptr=max_rows + 1, prefix_indices=max_prompt_slots,
+                row_indptr=max_rows + 1, suffix=max_rows * max_suffix,
+            )  # fmt: skip
         return BeamKernelGraph(num_requests, num_rows, self._graph_buffers)
 
     def forward(

@@ -64,8 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     bench.add_argument("--no-graphs", action="store_true", help="eager beam steps (no CUDA graphs)")
     bench.add_argument(
-        "--beam-attention", choices=["cascade", "triton"], default="cascade",
-        help="beam steps' attention: FlashInfer cascade or the one-pass Triton kernel",
+        "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
+        help="beam steps' attention: the one-pass Triton kernel or FlashInfer's cascade "
+        "(auto: Triton where it applies)",
     )  # fmt: skip
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
@@ -114,8 +115,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
     p.add_argument(
-        "--beam-attention", choices=["cascade", "triton"], default="cascade",
-        help="beam steps' attention: the backend's cascade or the one-pass Triton kernel",
+        "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
+        help="beam steps' attention: the one-pass Triton kernel or the backend's cascade "
+        "(auto: Triton where it applies)",
     )  # fmt: skip
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",

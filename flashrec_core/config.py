@@ -34,10 +34,12 @@ class EngineConfig(BaseModel):
     """Reuse the KV of prompt prefixes seen before (radix tree, LRU eviction)."""
     cascade_attention: bool = True
     """Beam decode steps read each request's prompt KV once for all its beams (FlashInfer)."""
-    beam_attention: Literal["cascade", "triton"] = "cascade"
-    """Beam steps' attention: "cascade" = the backend's two levels (FlashInfer prefix prefill +
-    per-beam decode + merge, or the torch reference); "triton" = one Triton kernel per layer
-    (prompt + own slots in one pass; interpreter-checked, not yet measured on a GPU)."""
+    beam_attention: Literal["auto", "cascade", "triton"] = "auto"
+    """Beam steps' attention: "triton" = one Triton kernel per layer over each request's prompt and
+    each beam's own slots (`flashrec_kernels.beam_cascade_attention`); "cascade" = the backend's
+    two levels (FlashInfer prefix prefill + per-beam decode + merge, or the torch reference; flat
+    per-beam decode with cascade_attention=False). "auto" picks "triton" on CUDA with
+    cascade_attention, a bf16 model, a bf16/FP8 KV cache and a power-of-two head_dim <= 256."""
     cuda_graphs: bool = True
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and the FlashInfer backend, else steps run eagerly (logged)."""

@@ -87,7 +87,7 @@ def _store_rows(
 def _rope_norm_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, qw_ptr, kw_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h, cs_stride, eps,
+    kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h, cs_stride, pos_stride, loc_stride, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -98,7 +98,7 @@ def _rope_norm_store_kernel(
     block = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < HALF
-    cs_row = cos_sin_ptr + tl.load(pos_ptr + tok).to(tl.int64) * cs_stride
+    cs_row = cos_sin_ptr + tl.load(pos_ptr + tok * pos_stride).to(tl.int64) * cs_stride
     cos = tl.load(cs_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     sin = tl.load(cs_row + HALF + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     offs_r = tl.arange(0, BLOCK_R)
@@ -124,7 +124,7 @@ def _rope_norm_store_kernel(
         o1 = cast_for_store(o1, k_dtype).to(tl.float32)
         o2 = cast_for_store(o2, k_dtype).to(tl.float32)
         rest = cast_for_store(rest, k_dtype).to(tl.float32)
-        slot = tl.load(loc_ptr + tok).to(tl.int64)
+        slot = tl.load(loc_ptr + tok * loc_stride).to(tl.int64)
         kc_rows = k_cache_ptr + slot * kc_stride_s + kv_heads * kc_stride_h
         _store_rows(kc_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -164,7 +164,7 @@ def launch_rope_norm_store(
         q if q_w is None else q_w, k if k_w is None else k_w,  # never read when the norm is off
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        cos_sin_cache.stride(0), eps,
+        cos_sin_cache.stride(0), positions.stride(0), out_loc.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_BLOCKS=q_blocks,
         D=head_dim, HALF=rotary_dim // 2, HAS_Q_NORM=q_w is not None, HAS_K_NORM=k_w is not None,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(rotary_dim // 2),

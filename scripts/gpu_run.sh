@@ -2,9 +2,9 @@
 # One GPU session: install FlashInfer wheels + the project (offline), then run the named stages
 # in order. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
-# Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (cascade, FP8,
-# graphs off), bench50 / bench512 (one width), triton (beam steps through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only). Each stage runs under its own time guard (STAGE_S seconds,
+# Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
+# flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps through the Triton kernel),
+# gputests (tests/gpu + the beam kernels only), diagnose (scripts/diagnose_gpu_search.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -40,10 +40,9 @@ for what in "${@:-tests}"; do
     gputests)
       FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q --tb=short -p no:cacheprovider \
         tests/gpu tests/kernels/test_trie_topk.py tests/kernels/test_beam_attention.py 2>&1 | tee "$out/gpu_tests.log" | tail -60 ;;
-    tests)
-      # NOTE: FlashInfer JIT-compiles each kernel variant on first use (10-30 s each).
-      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/gpu/test_cuda_graphs.py tests/gpu \
-        tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
+    tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests
+      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+        tests/gpu tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     bench50)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
@@ -55,11 +54,15 @@ for what in "${@:-tests}"; do
     bench)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25
       bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;
-    ablations)
-      bench -n 50 --requests 400 --no-cascade --no-hf-baseline --out "$out/bench_n50_nocascade.json" 2>&1 | tail -16
-      bench -n 50 --requests 400 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -16
-      bench -n 50 --requests 400 --no-graphs --no-hf-baseline --out "$out/bench_n50_nographs.json" 2>&1 | tail -16
-      bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_nocascade.json" 2>&1 | tail -16 ;;
+    ablations)  # each against the default run (Triton beam kernel, FP8, graphs) of `bench`
+      bench -n 50 --requests 400 --beam-attention cascade --no-hf-baseline --out "$out/bench_n50_ficascade.json" 2>&1 | tail -18
+      bench -n 50 --requests 400 --no-cascade --no-hf-baseline --out "$out/bench_n50_flat.json" 2>&1 | tail -18
+      bench -n 50 --requests 400 --no-fp8 --no-hf-baseline --out "$out/bench_n50_bf16.json" 2>&1 | tail -18
+      bench -n 50 --requests 400 --no-graphs --no-hf-baseline --out "$out/bench_n50_nographs.json" 2>&1 | tail -18
+      bench -n 512 --requests 64 --beam-attention cascade --no-hf-baseline --out "$out/bench_n512_ficascade.json" 2>&1 | tail -18
+      bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_flat.json" 2>&1 | tail -18 ;;
+    diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
+      timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;
   esac
 done

@@ -44,7 +44,7 @@ class BenchConfig:
     fp8: bool = True
     cascade: bool = True
     graphs: bool = True
-    beam_attention: str = "cascade"
+    beam_attention: str = "auto"
     rows_per_wave: int = 8192
     hf_baseline: bool = True
     hf_requests: int = 8
@@ -110,6 +110,7 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "config": asdict(bc),
         "gpu": torch.cuda.get_device_name(),
+        "attention": _attention_name(wave.runner.attn_backend.name, bc.cascade),
         "waves": len(waves),
         "wave_end_ms": wave_ms,
         "requests_per_s": bc.num_requests / total_s,
@@ -213,9 +214,14 @@ def _roofline(bc: BenchConfig, runner: ModelRunner, waves: list, total_s: float)
     }
 
 
+def _attention_name(backend: str, cascade: bool) -> str:
+    """How beam steps attend: the Triton beam kernel, or FlashInfer's cascade / flat decode."""
+    return backend if "triton" in backend else f"{backend} {'cascade' if cascade else 'flat'}"
+
+
 def print_table(result: dict[str, Any]) -> None:
     keys = [
-        "gpu", "waves", "requests_per_s", "prefill_tokens_per_s", "prefill_ms_per_wave",
+        "gpu", "attention", "waves", "requests_per_s", "prefill_tokens_per_s", "prefill_ms_per_wave",
         "decode_step_ms_full_wave", "latency_p50_ms", "latency_p99_ms", "peak_memory_gib",
         "roofline_requests_per_s", "percent_of_roofline", "graph_replays", "eager_steps",
         "graph_captures", "invalid_sids", "dead_beams",

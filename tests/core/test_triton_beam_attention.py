@@ -138,3 +138,26 @@ def test_triton_beam_steps_need_triton_here(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="beam_attention='triton' needs Triton"):
         Engine.from_config(cfg, SearchConfig())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "head_dim", "kv_dtype", "expected", "why"),
+    [
+        ({}, 128, torch.float8_e4m3fn, "triton", "auto"),
+        ({}, 64, torch.bfloat16, "triton", "auto"),
+        ({"device": "cpu"}, 128, torch.bfloat16, "cascade", "device is cpu"),
+        ({"cascade_attention": False}, 128, torch.bfloat16, "cascade", "flat per-beam"),
+        ({"dtype": "float16"}, 128, torch.float16, "cascade", "bf16 queries"),
+        ({}, 80, torch.bfloat16, "cascade", "head_dim 80"),
+        ({"beam_attention": "cascade"}, 128, torch.bfloat16, "cascade", "asked for"),
+        ({"beam_attention": "triton", "device": "cpu"}, 80, torch.float32, "triton", "asked for"),
+    ],
+)  # fmt: skip
+def test_auto_beam_attention_takes_the_kernel_where_it_applies(
+    overrides: dict, head_dim: int, kv_dtype: torch.dtype, expected: str, why: str
+) -> None:
+    from flashrec_core.engine.model_runner import choose_beam_attention
+
+    settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16", **overrides}
+    choice, reason = choose_beam_attention(EngineConfig(**settings), head_dim, kv_dtype)
+    assert (choice, why in reason) == (expected, True), reason

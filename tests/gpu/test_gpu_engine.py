@@ -35,11 +35,13 @@ SLACK = 0.02
 kernels round once where the eager ops round twice; FlashInfer sums in another order)."""
 
 
-def _engine(path: Path, catalog: Path, device: str, quantization: str) -> Engine:
+def _engine(
+    path: Path, catalog: Path, device: str, quantization: str, beam_attention: str = "auto"
+) -> Engine:
     cfg = EngineConfig(
         model_path=str(path), device=device, dtype="bfloat16", quantization=quantization,
         kv_cache_dtype="fp8_e4m3" if quantization == "fp8" else "bfloat16",
-        show_progress=False, kv_cache_tokens=1 << 16,
+        show_progress=False, kv_cache_tokens=1 << 16, beam_attention=beam_attention,
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
 
@@ -53,10 +55,11 @@ def _scored(engine: Engine, hf, prompt: str, n: int) -> list[tuple[tuple[int, ..
     return [(c.codes, c.logprob, exact(c.codes)) for c in res.choices]
 
 
+@pytest.mark.parametrize("beam_attention", ["triton", "cascade"])
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 @pytest.mark.parametrize("n", [4, 16, 64])
 def test_gpu_beam_search_matches_transformers(
-    checkpoint, tmp_path: Path, n: int, quantization: str
+    checkpoint, tmp_path: Path, n: int, quantization: str, beam_attention: str
 ) -> None:
     """Every beam is scored like fp32 transformers scores it, as closely as the engine's own torch
     reference path at the same precision (BF16 or FP8, on CPU) manages, and the beams are as good
@@ -71,7 +74,7 @@ def test_gpu_beam_search_matches_transformers(
     prompt = "user history w1 w7 w3 item w9"
     reference = _scored(_engine(path, catalog, "cpu", quantization), hf, prompt, n)
     tol = 2 * max(abs(ours - exact) for _, ours, exact in reference) + SLACK
-    engine = _engine(path, catalog, "cuda", quantization)
+    engine = _engine(path, catalog, "cuda", quantization, beam_attention)
     gpu = _scored(engine, hf, prompt, n)
     for codes, ours, exact in gpu:
         assert abs(ours - exact) < tol, f"{codes}: {ours:.4f} vs fp32 {exact:.4f} (tol {tol:.3f})"
@@ -93,7 +96,8 @@ def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=4096
     )
     engine = Engine.from_config(cfg, SearchConfig())
-    assert engine.runner.attn_backend.name == "flashinfer"
+    # auto: beam steps through the Triton beam kernel, everything else through FlashInfer
+    assert engine.runner.attn_backend.name == "flashinfer+triton-beam"
     assert set(engine.runner.loaded.context.fused) == {c.name for c in spec.capabilities}
     assert engine.runner.kv_pool.dtype == torch.float8_e4m3fn
     [res] = engine.generate([engine.make_request(prompt="w1 w2", n=8)])

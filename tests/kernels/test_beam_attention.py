@@ -111,7 +111,9 @@ def test_ref_matches_flat_fp64_attention(
     step = _make_step([3, 1, 4], [5, 1, 9], hq, hkv, 16, s, cache_dtype, seed=hq + s)
     ref = beam_cascade_attention_ref(*step.args())
     assert ref.dtype == torch.bfloat16 and ref.shape == step.q.shape
-    torch.testing.assert_close(ref.double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(
+        ref.cpu().double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5
+    )
 
 
 # (rows per request, prefix lens, Hq, Hkv, D, S): groups 1/2/4, D 64/128, a 1-row request,
@@ -147,7 +149,9 @@ def test_duplicated_slots_count_once_per_occurrence(device: torch.device) -> Non
     step.prefix_indices[7] = step.prefix_indices[6]
     step.suffix[0] = torch.tensor([7, 7, 11], dtype=torch.int32, device=device)
     ref = beam_cascade_attention_ref(*step.args())
-    torch.testing.assert_close(ref.double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(
+        ref.cpu().double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5
+    )
     _assert_kernel_matches_ref(beam_cascade_attention(*step.args()), ref, step)
 
 

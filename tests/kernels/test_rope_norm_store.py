@@ -113,13 +113,19 @@ def _assert_rope_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, rtol=_REL_ULP[actual.dtype], atol=2**-18)
 
 
-def _check_kernel_against_ref(device: torch.device, case: tuple, hq: int, hkv: int) -> None:
+def _check_kernel_against_ref(
+    device: torch.device, case: tuple, hq: int, hkv: int, strided_indices: bool = False
+) -> None:
     dtype, cache_dtype, d, r, q_norm, k_norm = case
     gen = torch.Generator().manual_seed(3)
     q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(device) if q_norm else None
     k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(device) if k_norm else None
     positions = torch.tensor([0, 3, 100, 7], device=device)
     out_loc = torch.tensor([5, 0, 23, 11], device=device)
+    if strided_indices:  # columns of a [T, 3] table, like a beam step's slots of one level
+        positions = torch.stack([positions, positions + 1, positions + 2], dim=1)[:, 0]
+        out_loc = torch.stack([out_loc + 1, out_loc, out_loc + 2], dim=1)[:, 1]
+        assert positions.stride(0) == 3 and out_loc.stride(0) == 3
     cos_sin = _cos_sin_cache(128, r).to(device)
     results = []
     for fn in (rope_norm_store, rope_norm_store_ref):
@@ -146,6 +152,14 @@ def test_kernel_head_blocks(device: torch.device, hq: int, hkv: int) -> None:
     """A program rotates up to 16 heads: several blocks, a partial last block, a single head."""
     case = (torch.bfloat16, FP8_DTYPE, 32, 16, True, True)
     _check_kernel_against_ref(device, case, hq=hq, hkv=hkv)
+
+
+def test_kernel_strided_positions_and_slots(device: torch.device) -> None:
+    """Eager beam steps pass a level's column of the [R, depth] slot table as out_loc: the
+    kernel must follow its stride (reading it as contiguous stored K/V into other beams' slots;
+    found on the H200, where graph replays copied the column into a contiguous buffer first)."""
+    case = (torch.bfloat16, FP8_DTYPE, 64, 64, True, True)
+    _check_kernel_against_ref(device, case, hq=4, hkv=2, strided_indices=True)
 
 
 def test_kernel_empty_batch(device: torch.device) -> None:

@@ -167,7 +167,7 @@ def choose_beam_attention(
     ecfg: EngineConfig, head_dim: int, kv_dtype: torch.dtype
 ) -> tuple[str, str]:
     """("triton" | "cascade", why) for a resolved engine config. "auto" takes the one-pass Triton
-    kernel wherever it applies: on an H200 it made the Qwen3-1.7B-shape decode step 2.7x faster
+    kernel wherever it applies: on an H200 it made the 1.7B-parameter benchmark decode step 2.6x faster
     than FlashInfer's cascade (docs/benchmarks.md)."""
     if ecfg.beam_attention != "auto":
         return ecfg.beam_attention, "asked for"

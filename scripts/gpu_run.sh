@@ -3,7 +3,7 @@
 # in order. Results land in $OUT (or ./bench_out). Usage on the GPU machine:
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
-# flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps through the Triton kernel),
+# flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
 # gputests (tests/gpu + the beam kernels only), diagnose (scripts/diagnose_gpu_search.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
@@ -46,7 +46,7 @@ for what in "${@:-tests}"; do
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     bench50)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
-    triton)  # the one-pass Triton beam attention against the FlashInfer cascade, both widths
+    triton)  # explicitly through the Triton beam kernel (the default where it applies), both widths
       bench -n 50 --requests 400 --beam-attention triton --no-hf-baseline --out "$out/bench_n50_triton.json" 2>&1 | tail -16
       bench -n 512 --requests 64 --beam-attention triton --no-hf-baseline --out "$out/bench_n512_triton.json" 2>&1 | tail -16 ;;
     bench512)

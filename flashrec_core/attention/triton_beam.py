@@ -7,9 +7,9 @@ cost of a decode step). `flashrec_kernels.beam_cascade_attention` does both leve
 packing the GQA group into the query tile so that each prompt K/V chunk serves every beam and
 head that shares it.
 
-Selected by `EngineConfig.beam_attention = "triton"`. Status: checked against its torch
-reference in the Triton interpreter and, through the torch backend, end to end on CPU; not yet
-run on a GPU (tests/gpu has the checks for the next GPU session). The default stays "cascade".
+Selected by `EngineConfig.beam_attention` ("auto" picks it on CUDA where it applies, see
+`model_runner.choose_beam_attention`). On an H200 it runs a 160-request x 50-beam step in 0.55 ms
+per layer (docs/benchmarks.md); tests/gpu checks it against fp32 transformers, graphs and eager.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), diagnose (scripts/diagnose_gpu_search.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -61,6 +61,9 @@ for what in "${@:-tests}"; do
       bench -n 50 --requests 400 --no-graphs --no-hf-baseline --out "$out/bench_n50_nographs.json" 2>&1 | tail -18
       bench -n 512 --requests 64 --beam-attention cascade --no-hf-baseline --out "$out/bench_n512_ficascade.json" 2>&1 | tail -18
       bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_flat.json" 2>&1 | tail -18 ;;
+    attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
+      timeout "$guard" python3 scripts/bench_attention.py "$out"
+      timeout "$guard" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

@@ -1,0 +1,85 @@
+"""Beam-step attention alone, one layer: FlashInfer flat decode vs FlashInfer cascade vs the
+Triton beam kernel, on the engine's own backends (plan once, time `forward` with
+`triton.testing.do_bench`, which uses CUDA events).
+
+Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
+step (requests = 8192 // n), a level-2 step (2 own slots per beam). Usage (on the GPU):
+    python scripts/bench_attention.py [OUT_DIR] [--kv bf16]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
+from flashrec_core.attention.triton_beam import TritonBeamAttention
+from flashrec_core.engine.beam_wave import prepare_beam_decode
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import ForwardBatch
+
+HQ, HKV, D, ROWS, OWN = 16, 8, 128, 8192, 2
+DEV = torch.device("cuda")
+
+
+def _step(n: int, prompt: int):
+    reqs = ROWS // n
+    rows = reqs * n
+    prompt_lens = torch.full((reqs,), prompt)
+    prompts = torch.arange(1, 1 + reqs * prompt, device=DEV)
+    first_own = 1 + reqs * prompt
+    own_slots = torch.arange(first_own, first_own + rows * OWN, device=DEV).view(rows, OWN)
+    row_request = torch.arange(reqs).repeat_interleave(n)
+    return prepare_beam_decode(
+        tokens=torch.zeros(rows, dtype=torch.int64, device=DEV),
+        positions=torch.full((rows,), prompt + 1, device=DEV), prompts=prompts,
+        prompt_lens=prompt_lens, row_request=row_request, history=own_slots[:, :-1],
+        own=own_slots[:, -1],
+    ), first_own + rows * OWN  # fmt: skip
+
+
+def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
+    meta = backend.plan(step)
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
+    return triton.testing.do_bench(
+        lambda: backend.forward(q, 0, D**-0.5, batch), warmup=25, rep=100
+    )
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
+    kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
+    results = []
+    print(f"{'n':>5} {'prompt':>6} {'flat ms':>8} {'cascade ms':>10} {'triton ms':>9} "
+          f"{'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
+    for n in (64, 256, 512):
+        for prompt in (512, 1024, 2048):
+            step, slots = _step(n, prompt)
+            pool = KVPool(1, HKV, D, slots + 1, kv_dtype, DEV)
+            pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
+            pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
+            q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
+            kw = dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.bfloat16,
+                      kv_dtype=kv_dtype, max_rows=ROWS)  # fmt: skip
+            flat = _time(FlashInferAttentionBackend(DEV, cascade=False, **kw), step, pool, q)
+            cascade_backend = FlashInferAttentionBackend(DEV, cascade=True, **kw)
+            cascade = _time(cascade_backend, step, pool, q)
+            beam = TritonBeamAttention(cascade_backend, DEV, ROWS, slots + 1)
+            tri = _time(beam, step, pool, q)
+            row = {"n": n, "prompt": prompt, "requests": ROWS // n, "kv": str(kv_dtype),
+                   "flat_ms": flat, "cascade_ms": cascade, "triton_ms": tri}  # fmt: skip
+            results.append(row)
+            print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} "
+                  f"{flat / cascade:>12.2f} {cascade / tri:>14.2f}", flush=True)  # fmt: skip
+            del pool
+            torch.cuda.empty_cache()
+    name = "bench_attention_bf16.json" if kv_dtype == torch.bfloat16 else "bench_attention.json"
+    (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
+
+
+if __name__ == "__main__":
+    main()

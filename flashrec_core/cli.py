@@ -61,13 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--level-sizes", default="8192,8192,8192")
     bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
-    bench.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     bench.add_argument("--no-graphs", action="store_true", help="eager beam steps (no CUDA graphs)")
-    bench.add_argument(
-        "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
-        help="beam steps' attention: the one-pass Triton kernel or FlashInfer's cascade "
-        "(auto: Triton where it applies)",
-    )  # fmt: skip
+    add_beam_attention_args(bench)
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
     bench.add_argument("--hf-batch", type=int, default=4)
@@ -95,6 +90,16 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_beam_attention_args(p: argparse.ArgumentParser) -> None:
+    """How beam steps attend (generate and bench alike)."""
+    p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
+    p.add_argument(
+        "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
+        help="beam steps' attention: the one-pass Triton kernel or the backend's cascade "
+        "(auto: Triton where it applies)",
+    )  # fmt: skip
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every entry point that loads a model (generate, bench, serve)."""
     p.add_argument("--model-path", required=True, help="checkpoint directory")
@@ -112,13 +117,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
-    p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
-    p.add_argument(
-        "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
-        help="beam steps' attention: the one-pass Triton kernel or the backend's cascade "
-        "(auto: Triton where it applies)",
-    )  # fmt: skip
+    add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
         help="turn a fused path off, e.g. enable_fused_rms_fp8 (repeatable)",

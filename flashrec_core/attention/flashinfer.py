@@ -217,8 +217,9 @@ class FlashInferAttentionBackend:
         kv = (pool.k_cache[layer_id].unsqueeze(1), pool.v_cache[layer_id].unsqueeze(1))
         # q is a strided view of the qkv projection. The prefill kernel takes its strides (the
         # whole prompt's q is not copied); the decode wrapper gets a contiguous copy (one row per
-        # sequence, cheap): on the H200 the only wrong results seen so far all went through the
-        # decode wrapper with strided q, which no test had covered (tests/gpu now does).
+        # sequence, cheap). The copy was added while chasing wrong eager beam steps on the H200,
+        # which turned out to be the RoPE kernel's slot indexing; decode with a strided q has not
+        # been checked on its own since, so the copy stays.
         if meta.kind == "decode":
             return meta.wrapper.run(q.contiguous(), kv)
         if meta.kind != "cascade":

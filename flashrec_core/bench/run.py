@@ -110,7 +110,7 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "config": asdict(bc),
         "gpu": torch.cuda.get_device_name(),
-        "attention": _attention_name(wave.runner.attn_backend.name, bc.cascade),
+        "attention": _attention_name(wave.runner, bc.cascade),
         "waves": len(waves),
         "wave_end_ms": wave_ms,
         "requests_per_s": bc.num_requests / total_s,
@@ -214,9 +214,12 @@ def _roofline(bc: BenchConfig, runner: ModelRunner, waves: list, total_s: float)
     }
 
 
-def _attention_name(backend: str, cascade: bool) -> str:
+def _attention_name(runner: ModelRunner, cascade: bool) -> str:
     """How beam steps attend: the Triton beam kernel, or FlashInfer's cascade / flat decode."""
-    return backend if "triton" in backend else f"{backend} {'cascade' if cascade else 'flat'}"
+    name = runner.attn_backend.name
+    if runner.beam_attention == "triton":
+        return name
+    return f"{name} {'cascade' if cascade else 'flat'}"
 
 
 def print_table(result: dict[str, Any]) -> None:

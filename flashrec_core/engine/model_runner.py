@@ -108,6 +108,7 @@ class ModelRunner:
         )  # fmt: skip
         beam_attention, why = choose_beam_attention(ecfg, cfg.head_dim, self.kv_pool.dtype)
         logger.info("beam steps attend through %s (%s)", beam_attention, why)
+        self.beam_attention = beam_attention  # "triton" or "cascade" (the backend's own)
         if beam_attention == "triton":
             self.attn_backend = _with_triton_beam_steps(self.attn_backend, ecfg, max_context)
 

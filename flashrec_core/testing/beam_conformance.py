@@ -25,6 +25,10 @@ PROMPTS = ("user history w1 w7 w3 item w9", "w12 w40 next")
 ATOL_LOGPROB = 1e-4
 """fp32 engine vs fp32 transformers, summed over 3 levels: logits agree to ~1e-6 (prefill
 parity), so 1e-4 on a cumulative log-prob leaves two orders of margin."""
+ATOL_SAME_ENGINE = 1e-5
+"""One fp32 engine, the same request in two batch compositions: only GEMM blocking and reduction
+order change, measured under 2e-6 on a 3-level log-prob; 1e-5 bounds that with 5x margin and is
+still 100x below the gap between distinct beams that a real bug produces."""
 
 
 def write_catalog(path: Path, codes: list[tuple[int, ...]]) -> Path:
@@ -47,6 +51,10 @@ def create_engine(path: Path, catalog: Path | None, **search: Any) -> Engine:
     return Engine.from_config(
         cfg, SearchConfig(catalog_path=str(catalog) if catalog else None, **search)
     )
+
+
+def _ranked(result: Any) -> list[tuple[tuple[int, ...], float]]:
+    return [(c.codes, c.logprob) for c in result.choices]
 
 
 class BeamSearchConformance:
@@ -122,9 +130,7 @@ class BeamSearchConformance:
         together = engine.generate(reqs)
         for req, res in zip(reqs, together):
             [alone] = engine.generate([req])
-            assert [(c.codes, round(c.logprob, 4)) for c in res.choices] == [
-                (c.codes, round(c.logprob, 4)) for c in alone.choices
-            ]
+            assert_same_ranking(_ranked(res), _ranked(alone), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
 
     def test_padded_waves_equal_unpadded(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
@@ -137,9 +143,7 @@ class BeamSearchConformance:
         engine.wave.eager_padding = lambda widths: len(widths) + 3
         padded = engine.generate(reqs)
         for a, b in zip(plain, padded):
-            assert [(c.codes, round(c.logprob, 4)) for c in a.choices] == [
-                (c.codes, round(c.logprob, 4)) for c in b.choices
-            ]
+            assert_same_ranking(_ranked(b), _ranked(a), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
 
     def test_sampling_is_seeded_and_valid(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path

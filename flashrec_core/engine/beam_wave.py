@@ -9,7 +9,8 @@ the wave ends, whatever happens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,7 +36,7 @@ from flashrec_core.search.trie import Trie
 
 @dataclass(frozen=True)
 class WaveOutput:
-    """Final beams of every request, rows laid out as in `layout` (best first per request)."""
+    """Final beams of every request, rows laid out as in `layout` (in selection order)."""
 
     layout: BeamLayout
     codes: torch.Tensor  # [R, depth]
@@ -43,8 +44,38 @@ class WaveOutput:
     nodes: torch.Tensor  # [R] catalog rows (meaningless without a catalog)
 
 
+@dataclass
+class WaveState:
+    """One wave in flight: its requests' KV resources and their beams after `level` steps.
+
+    Rows are the beams of the wave's requests back to back (`layout`). Resources: request-table
+    rows, prompt slots (`cached_lens[i]` of them borrowed from the prefix cache, locked through
+    `locked[i]`), and `decode_slots[r, s]`, the slot row r writes at beam step s + 1.
+    """
+
+    requests: list[GenerationRequest]
+    table_rows: list[int]
+    prompt_slots: list[torch.Tensor]  # host, per request
+    cached_lens: list[int]
+    locked: list[RadixNode | None]
+    decode_slots: torch.Tensor  # host [R, depth - 1]
+    level: int = 0  # beam levels selected so far
+    layout: BeamLayout | None = None
+    sel: Selection | None = None
+    codes: torch.Tensor | None = None  # [R, level] on the device
+    history: torch.Tensor | None = None  # [R, level - 1] decode slots of each beam's ancestors
+    prompts: torch.Tensor | None = None  # every request's prompt slots back to back (device)
+    device_slots: torch.Tensor | None = None  # decode_slots on the device
+    noise: _NoiseSource | None = None
+
+
 class BeamWave:
-    """Beam search over a batch of requests sharing one forward per step."""
+    """Beam search over a batch of requests sharing one forward per step.
+
+    `begin` allocates a wave's KV and runs its prefill and first selection, `advance` runs one
+    beam step, `drop` takes requests out between steps (cancelled, timed out), `finish` returns
+    the beams and hands the KV back. `run` does all of it for one wave (bench, tests).
+    """
 
     def __init__(
         self, runner: ModelRunner, head: RestrictedLMHead, trie: Trie, layout: SidLayout
@@ -65,6 +96,10 @@ class BeamWave:
         self.timeline: list[tuple[str, torch.cuda.Event]] | None = None
         """When a list (benchmarks on CUDA), CUDA events are recorded at each stage boundary."""
 
+    @property
+    def depth(self) -> int:
+        return self.trie.depth
+
     def _mark(self, name: str) -> None:
         if self.timeline is not None:
             event = torch.cuda.Event(enable_timing=True)
@@ -72,35 +107,43 @@ class BeamWave:
             self.timeline.append((name, event))
 
     def run(self, requests: list[GenerationRequest]) -> WaveOutput:
-        runner, device = self.runner, self.runner.device
-        allocator, table, cache = runner.allocator, runner.request_table, runner.prefix_cache
-        prompt_slots: list[torch.Tensor] = []
-        cached_lens: list[int] = []
-        locked: list[RadixNode] = []
-        table_rows: list[int] = []
-        decode_slots = None
-        done = False
+        state = self.begin(requests)
+        ok = False
         try:
-            for req in requests:
-                cached = torch.empty(0, dtype=torch.int64)
-                if cache is not None:  # at least the last prompt token is computed
-                    cached, node = cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
-                    cache.lock(node)
-                    locked.append(node)
-                new = self._alloc(len(req.prompt_ids) - cached.numel())
-                prompt_slots.append(torch.cat([cached, new]))
-                cached_lens.append(cached.numel())
-                table_rows.append(table.add(prompt_slots[-1]))
-            num_rows = sum(r.n for r in requests)
-            steps = self.trie.depth - 1
-            decode_slots = self._alloc(num_rows * steps).view(num_rows, steps)
-            out = self._search(requests, table_rows, cached_lens, decode_slots.to(device))
-            done = True
+            while state.level < self.depth:
+                self.advance(state)
+            out = self.output(state)
+            ok = True
             return out
         finally:
-            self._release(requests, prompt_slots, cached_lens, locked, table_rows, done)
-            if decode_slots is not None:
-                allocator.free(decode_slots)
+            self.release(state, ok)
+
+    def begin(self, requests: list[GenerationRequest]) -> WaveState:
+        """Allocate the wave's KV, run its prefill and first selection. On any error (a pool
+        too small, say) everything taken so far is handed back before the error propagates."""
+        state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
+        try:
+            self._allocate(state)
+            self._prefill(state)
+        except BaseException:
+            self.release(state, False)
+            raise
+        return state
+
+    def _allocate(self, state: WaveState) -> None:
+        table, cache = self.runner.request_table, self.runner.prefix_cache
+        for req in state.requests:
+            cached, node = torch.empty(0, dtype=torch.int64), None
+            if cache is not None:  # at least the last prompt token is computed
+                cached, node = cache.match(req.prompt_ids, len(req.prompt_ids) - 1)
+                cache.lock(node)
+            state.locked.append(node)
+            state.cached_lens.append(cached.numel())
+            new = self._alloc(len(req.prompt_ids) - cached.numel())
+            state.prompt_slots.append(torch.cat([cached, new]))
+            state.table_rows.append(table.add(state.prompt_slots[-1]))
+        num_rows = sum(r.n for r in state.requests)
+        state.decode_slots = self._alloc(num_rows * (self.depth - 1)).view(num_rows, -1)
 
     def _alloc(self, n: int) -> torch.Tensor:
         """Slots from the pool, evicting unused cached prefixes when it runs short."""
@@ -109,84 +152,136 @@ class BeamWave:
             cache.evict(n - allocator.num_free)
         return allocator.alloc(n)
 
-    def _release(
-        self,
-        requests: list[GenerationRequest],
-        prompt_slots: list[torch.Tensor],
-        cached_lens: list[int],
-        locked: list[RadixNode],
-        table_rows: list[int],
-        done: bool,
-    ) -> None:
-        """Prompt slots go to the prefix cache after a successful wave; otherwise (or without a
-        cache) the newly computed ones are freed. Cached prefixes are unlocked either way."""
-        cache = self.runner.prefix_cache
-        for req, slots, cached in zip(requests, prompt_slots, cached_lens):
-            if cache is not None and done:
-                cache.insert(req.prompt_ids, slots)
-            else:
-                self.runner.allocator.free(slots[cached:])
-        for node in locked:
-            assert cache is not None, "only a cache locks nodes"
-            cache.unlock(node)
-        for row in table_rows:
-            self.runner.request_table.remove(row)
+    def release(self, state: WaveState, done: bool) -> None:
+        """Hand a wave's KV back: after a finished wave its prompt slots go to the prefix cache,
+        otherwise (or without a cache) the newly computed ones are freed; cached prefixes are
+        unlocked and request-table rows removed either way. Safe on a partly built state."""
+        self._release_requests(state, range(len(state.locked)), done)
+        self.runner.allocator.free(state.decode_slots.flatten())
+        state.decode_slots = state.decode_slots[:0]
+        state.requests, state.table_rows, state.prompt_slots = [], [], []
+        state.cached_lens, state.locked = [], []
 
-    def _search(
-        self,
-        requests: list[GenerationRequest],
-        table_rows: list[int],
-        cached_lens: list[int],
-        decode_slots: torch.Tensor,
-    ) -> WaveOutput:
-        device = self.runner.device
+    def _release_requests(self, state: WaveState, indices: Sequence[int], done: bool) -> None:
+        """Hand back what requests `indices` hold; a request's lists may stop short (a state
+        whose allocation failed part way)."""
+        cache, allocator = self.runner.prefix_cache, self.runner.allocator
+        for i in indices:
+            if i < len(state.prompt_slots):
+                req, slots, cached = state.requests[i], state.prompt_slots[i], state.cached_lens[i]
+                if cache is not None and done and i < len(state.table_rows):
+                    cache.insert(req.prompt_ids, slots)
+                else:
+                    allocator.free(slots[cached:])
+            if i < len(state.table_rows):
+                self.runner.request_table.remove(state.table_rows[i])
+            if i < len(state.locked) and state.locked[i] is not None:
+                assert cache is not None, "only a cache locks nodes"
+                cache.unlock(state.locked[i])
+
+    def drop(self, state: WaveState, keep: list[bool]) -> None:
+        """Take the requests with keep[i] False out of the wave between steps: their rows leave
+        every beam tensor and their KV slots, table rows and prefix locks are handed back."""
+        if all(keep):
+            return
+        gone = [i for i, k in enumerate(keep) if not k]
+        widths = [r.n for r in state.requests]
+        offsets = [0, *itertools.accumulate(widths)]
+        rows = torch.cat(
+            [torch.arange(offsets[i], offsets[i + 1]) for i, k in enumerate(keep) if k]
+            or [torch.empty(0, dtype=torch.int64)]
+        )
+        gone_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in gone])
+        self._release_requests(state, gone, done=False)
+        self.runner.allocator.free(state.decode_slots[gone_rows].flatten())
+
+        def pick(values: list) -> list:
+            return [v for v, k in zip(values, keep) if k]
+
+        state.requests, state.table_rows = pick(state.requests), pick(state.table_rows)
+        state.prompt_slots, state.cached_lens = pick(state.prompt_slots), pick(state.cached_lens)
+        state.locked = pick(state.locked)
+        state.decode_slots = state.decode_slots[rows]
+        if not state.requests or state.sel is None:
+            return
+        dev = rows.to(self.runner.device)
+        sel = state.sel
+        state.sel = Selection(sel.parent[dev], sel.code[dev], sel.node[dev], sel.score[dev])
+        state.codes, state.history = state.codes[dev], state.history[dev]
+        state.device_slots = state.device_slots[dev]
+        state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
+        state.prompts = torch.cat([self.runner.request_table.get(t) for t in state.table_rows])
+        state.noise = _NoiseSource(state.requests, self.runner.device)
+
+    def _prefill(self, state: WaveState) -> None:
+        device, requests = self.runner.device, state.requests
         prompts = [list(r.prompt_ids) for r in requests]
-        noise = _NoiseSource(requests, device)
-        widths = [r.n for r in requests]
-        graphs = self.graphs
-        padded = graphs.padded_requests(widths, noise.sampling) if graphs is not None else None
-        if graphs is None and self.eager_padding is not None:
-            padded = self.eager_padding(widths)
-        num_pad = (padded - len(requests)) if padded is not None else 0
+        state.noise = _NoiseSource(requests, device)
         first = BeamLayout.create([1] * len(requests), device)
-        real = BeamLayout.create(widths, device)
-        beams = BeamLayout.create(widths + [widths[0]] * num_pad, device) if num_pad else real
-        slots = [self.runner.request_table.get(row) for row in table_rows]
+        state.layout = BeamLayout.create([r.n for r in requests], device)
+        slots = [self.runner.request_table.get(row) for row in state.table_rows]
         self._mark("start")
-        step = prepare_prefill(prompts, [s.cpu() for s in slots], cached_lens)
+        step = prepare_prefill(prompts, [s.cpu() for s in slots], state.cached_lens)
         hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
-        sel = self._select(hidden, 0, torch.zeros(len(requests), device=device),
-                           torch.zeros(len(requests), dtype=torch.int64, device=device),
-                           first, real, noise)  # fmt: skip
+        zeros = torch.zeros(len(requests), device=device)
+        nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
+        state.sel = self._select(hidden, 0, zeros, nodes, first, state.layout, state.noise)
+        state.codes = state.sel.code[:, None]
+        state.device_slots = state.decode_slots.to(device)
+        state.history = state.device_slots[:, :0]
+        state.prompts = torch.cat(slots)  # on the device, once per wave
+        state.level = 1
         self._mark("prefill")
-        # Pad requests (graph shapes): one pad slot of prompt each, dead beams, pad decode slots.
-        sel = _pad_rows(sel, beams.num_rows)
-        pad_slots = torch.full((num_pad,), KVPool.PAD_SLOT, dtype=torch.int64, device=device)
-        decode_slots = _pad_rows_of(decode_slots, beams.num_rows, KVPool.PAD_SLOT)
-        codes, history = sel.code[:, None], decode_slots[:, :0]
-        prompt_lens = torch.tensor([len(p) for p in prompts] + [1] * num_pad)
-        all_prompts = torch.cat(slots + [pad_slots])  # on the device, once per wave
+
+    def advance(self, state: WaveState) -> None:
+        """One beam step (level state.level), by graph replay where the wave's shape allows."""
+        assert state.sel is not None and 0 < state.level < self.depth, "a wave in flight"
+        level, real = state.level, state.layout
+        widths = [r.n for r in state.requests]
+        padded = self._padded_requests(widths, state.noise.sampling)
+        num_pad = (padded - len(widths)) if padded is not None else 0
+        beams = (
+            BeamLayout.create(widths + [widths[0]] * num_pad, self.runner.device)
+            if num_pad
+            else real
+        )
+        pad = _Padding(beams.num_rows, num_pad)
+        sel = pad.selection(state.sel)
+        own = pad.slots(state.device_slots[:, level - 1])
+        history = pad.slots(state.history)
+        prompt_lens = torch.tensor([len(r.prompt_ids) for r in state.requests] + [1] * num_pad)
         row_request = beams.row_request.cpu()
-        row_prompt_len = prompt_lens.to(device)[beams.row_request]
-        if graphs is not None and padded is None:
-            graphs.count_eager(self.trie.depth - 1)
-        for level in range(1, self.trie.depth):
-            own = decode_slots[:, level - 1]
-            step = prepare_beam_decode(
-                tokens=self.sid.level_starts[level - 1] + codes[:, -1],
-                positions=row_prompt_len + level - 1, prompts=all_prompts,
-                prompt_lens=prompt_lens, row_request=row_request, history=history, own=own,
-            )  # fmt: skip
-            if graphs is not None and padded is not None:
-                sel = graphs.run(level, step, sel.score, sel.node, beams)
-            else:
-                hidden = self.runner.forward(step)
-                sel = self._select(hidden, level, sel.score, sel.node, beams, beams, noise)
-            history = torch.cat([history, own[:, None]], dim=1)[sel.parent]
-            codes = torch.cat([codes[sel.parent], sel.code[:, None]], dim=1)
-            self._mark(f"decode{level}")
-        rows = real.num_rows
-        return WaveOutput(real, codes[:rows], sel.score[:rows], sel.node[:rows])
+        step = prepare_beam_decode(
+            tokens=self.sid.level_starts[level - 1] + pad.slots(state.codes[:, -1], 0),
+            positions=prompt_lens.to(own.device)[beams.row_request] + level - 1,
+            prompts=pad.prompts(state.prompts), prompt_lens=prompt_lens,
+            row_request=row_request, history=history, own=own,
+        )  # fmt: skip
+        if self.graphs is not None and padded is not None:
+            sel = self.graphs.run(level, step, sel.score, sel.node, beams)
+        else:
+            if self.graphs is not None:
+                self.graphs.count_eager(1)
+            hidden = self.runner.forward(step)
+            sel = self._select(hidden, level, sel.score, sel.node, beams, beams, state.noise)
+        rows = real.num_rows  # real rows come first and never pick a pad row as parent
+        parent = sel.parent[:rows]
+        state.history = torch.cat([history, own[:, None]], dim=1)[parent]
+        state.codes = torch.cat([state.codes[parent], sel.code[:rows, None]], dim=1)
+        state.sel = Selection(parent, sel.code[:rows], sel.node[:rows], sel.score[:rows])
+        state.level += 1
+        self._mark(f"decode{level}")
+
+    def _padded_requests(self, widths: list[int], sampling: bool) -> int | None:
+        if self.graphs is not None:
+            return self.graphs.padded_requests(widths, sampling)
+        if self.eager_padding is not None and not sampling:
+            return self.eager_padding(widths)
+        return None
+
+    def output(self, state: WaveState) -> WaveOutput:
+        assert state.level == self.depth and state.sel is not None, "the wave has finished"
+        return WaveOutput(state.layout, state.codes, state.sel.score, state.sel.node)
 
     def _select(
         self,
@@ -214,6 +309,26 @@ class BeamWave:
     ) -> Selection:
         """The captured part of a beam step after the forward: greedy selection, no noise."""
         return self._select(hidden, level, parent_score, nodes, layout, layout, _GREEDY)
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """Pad requests appended to a wave for a graph shape: dead beams (score -inf) that read and
+    write only the pad slot, one pad slot of prompt each."""
+
+    rows: int
+    num_pad: int
+
+    def selection(self, sel: Selection) -> Selection:
+        return _pad_rows(sel, self.rows)
+
+    def slots(self, x: torch.Tensor, value: int = KVPool.PAD_SLOT) -> torch.Tensor:
+        return _pad_rows_of(x, self.rows, value)
+
+    def prompts(self, prompts: torch.Tensor) -> torch.Tensor:
+        if self.num_pad == 0:
+            return prompts
+        return torch.cat([prompts, prompts.new_full((self.num_pad,), KVPool.PAD_SLOT)])
 
 
 def _pad_rows(sel: Selection, rows: int) -> Selection:

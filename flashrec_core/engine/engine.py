@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
-from flashrec_core.engine.beam_wave import BeamWave, WaveOutput
+from flashrec_core.engine.beam_wave import BeamWave
+from flashrec_core.engine.loop import EngineLoop, Limits, wait_all
 from flashrec_core.engine.model_runner import ModelRunner
-from flashrec_core.engine.requests import Choice, GenerationRequest, GenerationResult
-from flashrec_core.engine.scheduler import plan_waves
+from flashrec_core.engine.requests import GenerationRequest, GenerationResult, ResultDecoder
 from flashrec_core.registry import Registry, load_hf_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
@@ -38,6 +38,7 @@ class Engine:
         layout: SidLayout,
         catalog: Catalog | None,
         search: SearchConfig,
+        max_queue: int = 1024,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -49,6 +50,14 @@ class Engine:
             runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization
         )
         self.wave = BeamWave(runner, head, self.trie, layout)
+        self.decoder = ResultDecoder(layout, catalog, search.length_penalty)
+        ecfg = runner.loaded.engine_config
+        limits = Limits(
+            max_wave_rows=ecfg.max_wave_rows, max_context=runner.request_table.max_context,
+            max_position=runner.config.max_position, depth=self.trie.depth, max_queue=max_queue,
+        )  # fmt: skip
+        self.loop = EngineLoop(self.wave, self.decoder, limits)
+        """Admits, steps and retires requests; `generate` and the server are its clients."""
 
     @classmethod
     def from_config(
@@ -107,60 +116,13 @@ class Engine:
         return GenerationRequest(tuple(ids), n, temperature, seed)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Run beam search for every request, packed into waves that share each forward step;
-        results come back in request order."""
-        if not requests:
-            return []
-        limit = self.runner.config.max_position
+        """Run beam search for every request through the engine loop (requests of one n share
+        waves); results come back in request order. A request the engine can never serve
+        raises RequestRejectedError before any work starts."""
         for req in requests:
-            if len(req.prompt_ids) + self.trie.depth > limit:
-                raise ValueError(
-                    f"prompt of {len(req.prompt_ids)} tokens + {self.trie.depth} SID tokens "
-                    f"exceeds the model's max_position_embeddings {limit}"
-                )
-        runner = self.runner
-        waves = plan_waves(
-            requests, depth=self.trie.depth, max_rows=runner.loaded.engine_config.max_wave_rows,
-            max_requests=len(runner.request_table.lengths), kv_slots=runner.allocator.num_slots - 1,
-        )  # fmt: skip
-        results: list[GenerationResult] = []
-        for wave in waves:
-            batch = [requests[i] for i in wave]
-            results.extend(self._results(batch, self.wave.run(batch)))
-        return results
-
-    def _results(
-        self, requests: list[GenerationRequest], out: WaveOutput
-    ) -> list[GenerationResult]:
-        codes, scores, nodes = out.codes.cpu(), out.scores.cpu(), out.nodes.cpu()
-        offsets = out.layout.row_offsets.cpu().tolist()
-        depth = self.trie.depth
-        results = []
-        for req, start in zip(requests, offsets):
-            rows = sorted(
-                (r for r in range(start, start + req.n) if scores[r] > float("-inf")),
-                key=lambda r: (-scores[r].item(), r),
-            )
-            choices = [
-                self._choice(i, codes[r], scores[r].item(), int(nodes[r]))
-                for i, r in enumerate(rows)
-            ]
-            notes = []
-            if len(choices) < req.n:
-                notes.append(f"only {len(choices)} valid items reachable; requested n={req.n}")
-            results.append(
-                GenerationResult(choices, len(req.prompt_ids), depth * len(choices), req.n, notes)
-            )
-        return results
-
-    def _choice(self, index: int, codes: torch.Tensor, logprob: float, node: int) -> Choice:
-        code_list = tuple(int(c) for c in codes.tolist())
-        token_ids = tuple(self.layout.token_id(lv, c) for lv, c in enumerate(code_list))
-        items = self.catalog.items[node] if self.catalog is not None else ()
-        score = logprob / (len(code_list) ** self.search.length_penalty)
-        return Choice(
-            index, code_list, token_ids, self.layout.format(code_list), items, logprob, score
-        )
+            self.loop.check(req)
+        handles = [self.loop.submit(r, bounded=False) for r in requests]
+        return wait_all(self.loop, handles)
 
 
 def _load_layout_and_catalog(

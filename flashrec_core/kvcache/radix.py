@@ -90,6 +90,10 @@ class RadixCache:
             node.locks -= 1
             node = node.parent  # type: ignore[assignment]
 
+    def num_locked_nodes(self) -> int:
+        """Nodes held by requests in flight (0 when the engine is idle)."""
+        return sum(1 for n in self._nodes() if n.locks > 0)
+
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots from unlocked leaves, oldest first; returns the count."""
         freed = 0

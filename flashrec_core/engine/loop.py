@@ -1,0 +1,401 @@
+"""The engine loop: one thread owns the device; any thread or asyncio task submits a request and
+gets a handle with a future.
+
+Work runs in iterations, each a step boundary:
+1. retire: requests cancelled or past their deadline leave their wave (rows, KV slots, table
+   rows and prefix-cache locks are handed back) or the queue;
+2. admit: queued requests form a new wave (KV allocated, prefill, first selection) under the
+   beam-row, request-table and KV-slot budgets;
+3. step: every other wave in flight runs one beam step; finished waves become results.
+
+A request that arrives while others run therefore waits about one iteration (one forward per
+wave in flight), not for a whole wave. A wave takes the queue's oldest request and then other
+queued requests of the same n (one width per wave lets its steps replay CUDA graphs); a request
+of another n is never passed over for more than one iteration per distinct n queued before it.
+
+`run_once` is the whole iteration. The background thread (`start`) calls it while there is work;
+without a thread, `Engine.generate` calls it itself until its requests are done: offline and
+online use the same code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+from flashrec_core.engine.beam_wave import BeamWave, WaveState
+from flashrec_core.engine.requests import (
+    GenerationRequest,
+    GenerationResult,
+    RequestTimings,
+    ResultDecoder,
+)
+from flashrec_core.engine.results import assemble_results
+from flashrec_core.kvcache import OutOfSlotsError
+
+logger = logging.getLogger("flashrec")
+
+
+class RequestRejectedError(ValueError):
+    """A request this engine can never serve (too wide, too long); `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(RuntimeError):
+    """The bounded queue is full; retry later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The loop is shutting down (or stopped) and admits no new requests."""
+
+
+class RequestCancelledError(RuntimeError):
+    """The request was cancelled (client gone, shutdown) before it finished."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request's deadline passed before it finished."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Budgets the loop admits under (from the engine's config and pool)."""
+
+    max_wave_rows: int
+    max_context: int
+    max_position: int
+    depth: int
+    max_queue: int
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request: its future, and `cancel()` (effective at the next step boundary)."""
+
+    request: GenerationRequest
+    request_id: str
+    deadline: float | None  # time.monotonic() value, or None
+    future: Future[GenerationResult] = field(default_factory=Future)
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    prefilled_at: float | None = None
+    _cancel_reason: str | None = None
+
+    def cancel(self, reason: str = "cancelled by the client") -> None:
+        self._cancel_reason = reason
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel_reason is not None
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """A snapshot for /metrics and tests (gauges, then totals since start)."""
+
+    queued: int
+    running_requests: int
+    running_rows: int
+    kv_slots_total: int
+    kv_slots_free: int
+    kv_slots_cached: int
+    prefix_cache_locked_nodes: int
+    request_slots_total: int
+    request_slots_used: int
+    prefix_cache_hit_tokens: int
+    invalid_results: int
+    iterations: int
+
+
+@dataclass
+class _Wave:
+    state: WaveState
+    handles: list[RequestHandle]
+
+
+class EngineLoop:
+    """Admits, steps and retires requests; see the module docstring."""
+
+    def __init__(self, wave: BeamWave, decoder: ResultDecoder, limits: Limits) -> None:
+        self.wave = wave
+        self.decoder = decoder
+        self.limits = limits
+        self._queue: deque[RequestHandle] = deque()
+        self._waves: list[_Wave] = []
+        self._cv = threading.Condition()
+        self._drive = threading.Lock()  # one driver of run_once at a time
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._exit = False
+        self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
+        self._hit_tokens = 0
+        self._invalid = 0
+        self._iterations = 0
+
+    # -- clients --------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestRejectedError if this engine can never serve `request`."""
+        lim, runner = self.limits, self.wave.runner
+        prompt = len(request.prompt_ids)
+        if request.n > lim.max_wave_rows:
+            raise RequestRejectedError(
+                f"n={request.n} exceeds the beam-row budget of {lim.max_wave_rows} rows per "
+                "step (--max-wave-rows)", "n",
+            )  # fmt: skip
+        if prompt + lim.depth > lim.max_position or prompt > lim.max_context:
+            limit = min(lim.max_position - lim.depth, lim.max_context)
+            raise RequestRejectedError(
+                f"the prompt has {prompt} tokens; this engine takes at most {limit} "
+                "(--max-context and the model's max_position_embeddings, less the SID depth)",
+                "messages",
+            )  # fmt: skip
+        need = prompt + request.n * (lim.depth - 1)
+        if need > runner.allocator.num_slots - 1:
+            raise RequestRejectedError(
+                f"the request needs {need} KV slots (prompt + n x {lim.depth - 1} beam steps) "
+                f"but the pool holds {runner.allocator.num_slots - 1} (--kv-cache-tokens)", "n",
+            )  # fmt: skip
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        *,
+        bounded: bool = True,
+    ) -> RequestHandle:
+        """Queue a request. Raises RequestRejectedError, QueueFullError (only when `bounded`:
+        offline batches are not bounded by the online queue) or EngineStoppedError."""
+        self.check(request)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        handle = RequestHandle(request, request_id or uuid.uuid4().hex, deadline)
+        with self._cv:
+            if not self._accepting:
+                raise EngineStoppedError("the engine is shutting down and admits no new requests")
+            if bounded and len(self._queue) >= self.limits.max_queue:
+                raise QueueFullError(
+                    f"the queue is full ({self.limits.max_queue} requests waiting); retry later"
+                )
+            self._queue.append(handle)
+            self._cv.notify_all()
+        return handle
+
+    def wake(self) -> None:
+        """Wake the loop thread (after a cancel) so it retires the request promptly."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def stats(self) -> LoopStats:
+        runner = self.wave.runner
+        cache = runner.prefix_cache
+        waves = list(self._waves)
+        return LoopStats(
+            queued=len(self._queue),
+            running_requests=sum(len(w.handles) for w in waves),
+            running_rows=sum(h.request.n for w in waves for h in w.handles),
+            kv_slots_total=runner.allocator.num_slots - 1,
+            kv_slots_free=runner.allocator.num_free,
+            kv_slots_cached=cache.num_cached if cache is not None else 0,
+            prefix_cache_locked_nodes=cache.num_locked_nodes() if cache is not None else 0,
+            request_slots_total=len(runner.request_table.lengths),
+            request_slots_used=runner.request_table.num_active,
+            prefix_cache_hit_tokens=self._hit_tokens,
+            invalid_results=self._invalid,
+            iterations=self._iterations,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._waves
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the loop on a background thread (the server's engine thread)."""
+        assert self._thread is None, "the loop runs once"
+        self._thread = threading.Thread(target=self._run, name="flashrec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop admitting, let queued and running requests finish within `grace_s`, cancel
+        what is left (EngineStoppedError), and end the thread."""
+        with self._cv:
+            self._accepting = False
+            self._cv.notify_all()
+        end = time.monotonic() + grace_s
+        while not self.idle and time.monotonic() < end and self.running:
+            time.sleep(0.01)
+        for h in list(self._queue) + [h for w in self._waves for h in w.handles]:
+            h.cancel("the engine stopped before the request finished")
+        with self._cv:
+            self._exit = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self.idle and not self._exit:
+                    self._cv.wait()
+                if self._exit and self.idle:
+                    return
+            self.run_once()  # after stop(), this iteration retires the cancelled requests
+
+    # -- one iteration --------------------------------------------------------------------
+
+    def run_once(self) -> None:
+        """Retire, admit, step (module docstring)."""
+        with self._drive:
+            now = time.monotonic()
+            self._retire(now)
+            running = list(self._waves)
+            self._admit(now)
+            for wave in running:
+                self._advance(wave)
+            self._iterations += 1
+
+    def _retire(self, now: float) -> None:
+        with self._cv:
+            keep: deque[RequestHandle] = deque()
+            for h in self._queue:
+                if not self._fail_if_done(h, now):
+                    keep.append(h)
+            self._queue = keep
+        for wave in list(self._waves):
+            mask = [not self._fail_if_done(h, now) for h in wave.handles]
+            if all(mask):
+                continue
+            self.wave.drop(wave.state, mask)
+            wave.handles = [h for h, k in zip(wave.handles, mask) if k]
+            if not wave.handles:
+                self._waves.remove(wave)
+
+    @staticmethod
+    def _fail_if_done(h: RequestHandle, now: float) -> bool:
+        """Fail a cancelled or expired request's future; whether it must leave."""
+        if h.future.done():  # failed elsewhere already
+            return True
+        if h._cancel_reason is not None:
+            h.future.set_exception(RequestCancelledError(h._cancel_reason))
+            return True
+        if h.expired(now):
+            h.future.set_exception(RequestTimeoutError("the request's timeout passed"))
+            return True
+        return False
+
+    def _admit(self, now: float) -> None:
+        handles = self._take_wave()
+        if not handles:
+            return
+        for h in handles:
+            h.admitted_at = now
+        try:
+            state = self.wave.begin([h.request for h in handles])
+        except OutOfSlotsError as exc:
+            self._requeue(handles, exc)
+            return
+        except Exception as exc:  # a bug or device error: fail these requests, keep serving
+            logger.exception("prefill of %d requests failed", len(handles))
+            for h in handles:
+                h.future.set_exception(exc)
+            return
+        self._admit_cap = None
+        self._hit_tokens += sum(state.cached_lens)
+        done = time.monotonic()
+        for h in handles:
+            h.prefilled_at = done
+        wave = _Wave(state, handles)
+        self._waves.append(wave)
+        if state.level >= self.wave.depth:  # depth-1 SIDs finish at their prefill
+            self._finish(wave)
+
+    def _take_wave(self) -> list[RequestHandle]:
+        """The oldest queued request and further queued requests of its n, within budgets."""
+        runner = self.wave.runner
+        table_free = len(runner.request_table.lengths) - runner.request_table.num_active
+        cap = min(table_free, self._admit_cap or table_free)
+        with self._cv:
+            if not self._queue or cap == 0:
+                return []
+            n = self._queue[0].request.n
+            taken, rest, rows = [], deque(), 0
+            for h in self._queue:
+                fits = h.request.n == n and rows + n <= self.limits.max_wave_rows
+                if fits and len(taken) < cap:
+                    taken.append(h)
+                    rows += n
+                else:
+                    rest.append(h)
+            self._queue = rest
+            return taken
+
+    def _requeue(self, handles: list[RequestHandle], exc: OutOfSlotsError) -> None:
+        """The pool cannot hold this wave now. With other waves in flight, wait for them;
+        alone, retry with half as many requests; a single request alone cannot ever fit."""
+        if not self._waves and len(handles) == 1:
+            handles[0].future.set_exception(exc)
+            return
+        if not self._waves:
+            self._admit_cap = max(1, len(handles) // 2)
+        with self._cv:
+            self._queue.extendleft(reversed(handles))
+
+    def _advance(self, wave: _Wave) -> None:
+        try:
+            self.wave.advance(wave.state)
+        except Exception as exc:
+            logger.exception("a beam step of %d requests failed", len(wave.handles))
+            self._waves.remove(wave)
+            self.wave.release(wave.state, False)
+            for h in wave.handles:
+                h.future.set_exception(exc)
+            return
+        if wave.state.level >= self.wave.depth:
+            self._finish(wave)
+
+    def _finish(self, wave: _Wave) -> None:
+        self._waves.remove(wave)
+        state = wave.state
+        try:
+            out = assemble_results(
+                self.wave.output(state), state.requests, state.cached_lens, self.decoder
+            )
+        finally:
+            self.wave.release(state, True)
+        self._invalid += out.invalid
+        if out.invalid:
+            logger.error("%d returned beams are not catalog SIDs (a search bug)", out.invalid)
+        end = time.monotonic()
+        for h, result in zip(wave.handles, out.results):
+            timings = RequestTimings(
+                queue_s=(h.admitted_at or end) - h.submitted_at,
+                prefill_s=(h.prefilled_at or end) - (h.admitted_at or end),
+                decode_s=end - (h.prefilled_at or end),
+            )
+            h.future.set_result(replace(result, timings=timings))
+
+
+def wait_all(loop: EngineLoop, handles: Sequence[RequestHandle]) -> list[GenerationResult]:
+    """Results of `handles` in order: driven by this thread when no loop thread runs."""
+    if not loop.running:
+        while not all(h.future.done() for h in handles):
+            loop.run_once()
+    return [h.future.result() for h in handles]

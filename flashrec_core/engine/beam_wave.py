@@ -42,6 +42,7 @@ class WaveOutput:
     codes: torch.Tensor  # [R, depth]
     scores: torch.Tensor  # [R] cumulative log-probs, -inf for dead beams
     nodes: torch.Tensor  # [R] catalog rows (meaningless without a catalog)
+    path_scores: torch.Tensor  # [R, depth] cumulative log-prob after each level
 
 
 @dataclass
@@ -63,6 +64,7 @@ class WaveState:
     layout: BeamLayout | None = None
     sel: Selection | None = None
     codes: torch.Tensor | None = None  # [R, level] on the device
+    path_scores: torch.Tensor | None = None  # [R, level] cumulative log-prob after each level
     history: torch.Tensor | None = None  # [R, level - 1] decode slots of each beam's ancestors
     prompts: torch.Tensor | None = None  # every request's prompt slots back to back (device)
     device_slots: torch.Tensor | None = None  # decode_slots on the device
@@ -208,6 +210,7 @@ class BeamWave:
         sel = state.sel
         state.sel = Selection(sel.parent[dev], sel.code[dev], sel.node[dev], sel.score[dev])
         state.codes, state.history = state.codes[dev], state.history[dev]
+        state.path_scores = state.path_scores[dev]
         state.device_slots = state.device_slots[dev]
         state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
         state.prompts = torch.cat([self.runner.request_table.get(t) for t in state.table_rows])
@@ -227,6 +230,7 @@ class BeamWave:
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
         state.sel = self._select(hidden, 0, zeros, nodes, first, state.layout, state.noise)
         state.codes = state.sel.code[:, None]
+        state.path_scores = state.sel.score[:, None]
         state.device_slots = state.decode_slots.to(device)
         state.history = state.device_slots[:, :0]
         state.prompts = torch.cat(slots)  # on the device, once per wave
@@ -268,6 +272,7 @@ class BeamWave:
         parent = sel.parent[:rows]
         state.history = torch.cat([history, own[:, None]], dim=1)[parent]
         state.codes = torch.cat([state.codes[parent], sel.code[:rows, None]], dim=1)
+        state.path_scores = torch.cat([state.path_scores[parent], sel.score[:rows, None]], dim=1)
         state.sel = Selection(parent, sel.code[:rows], sel.node[:rows], sel.score[:rows])
         state.level += 1
         self._mark(f"decode{level}")
@@ -281,7 +286,9 @@ class BeamWave:
 
     def output(self, state: WaveState) -> WaveOutput:
         assert state.level == self.depth and state.sel is not None, "the wave has finished"
-        return WaveOutput(state.layout, state.codes, state.sel.score, state.sel.node)
+        return WaveOutput(
+            state.layout, state.codes, state.sel.score, state.sel.node, state.path_scores
+        )
 
     def _select(
         self,

@@ -90,6 +90,7 @@ class GenerationResult:
     prompt_tokens: int
     requested: int
     decoder: ResultDecoder
+    level_logprobs: np.ndarray | None = None  # float32 [k, depth] log-prob of each level's code
     cached_tokens: int = 0
     notes: list[str] = field(default_factory=list)
     timings: RequestTimings | None = None

@@ -32,7 +32,8 @@ def assemble_results(
 ) -> WaveResults:
     """Per request, its live beams ranked by log-prob (ties: lower row first)."""
     host = torch.cat([out.codes, out.nodes[:, None]], dim=1).cpu().numpy()
-    scores = out.scores.float().cpu().numpy()
+    paths = out.path_scores.float().cpu().numpy()
+    scores = paths[:, -1]
     codes, nodes = host[:, :-1], host[:, -1]
     widths = np.array([r.n for r in requests], dtype=np.int64)
     row_request = np.repeat(np.arange(len(requests)), widths)
@@ -44,6 +45,8 @@ def assemble_results(
     catalog = decoder.catalog
     if catalog is not None and order.size:
         invalid = int((catalog.codes[nodes[order]] != codes[order]).any(axis=1).sum())
+    # per-level log-probs: differences of the cumulative path scores
+    levels = np.diff(paths, axis=1, prepend=np.zeros((len(paths), 1), dtype=paths.dtype))
     results = []
     for req, rows, cached in zip(requests, np.split(order, np.cumsum(counts)[:-1]), cached_lens):
         notes = []
@@ -57,6 +60,7 @@ def assemble_results(
                 len(req.prompt_ids),
                 req.n,
                 decoder,
+                level_logprobs=levels[rows],
                 cached_tokens=cached,
                 notes=notes,
             )  # fmt: skip

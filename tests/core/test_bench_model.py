@@ -73,5 +73,6 @@ def test_result_check_counts_beams_off_the_catalog() -> None:
         codes=torch.tensor([[3, 4, 5], [0, 1, 2], [6, 7, 0], [0, 0, 0]]),
         scores=torch.tensor([-1.0, -2.0, -3.0, float("-inf")]),
         nodes=torch.tensor([1, 0, 2, 0]),
+        path_scores=torch.tensor([[-1.0] * 3, [-2.0] * 3, [-3.0] * 3, [float("-inf")] * 3]),
     )
     assert _check_results([out], catalog) == {"invalid_sids": 1, "dead_beams": 1}

@@ -43,12 +43,23 @@ def _build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (wrapped in the chat template if any)")
     prompt.add_argument("--messages-json", help="file with a JSON list of {role, content}")
+    prompt.add_argument(
+        "--input", help="JSONL file of API request bodies (chat or completions), one per line"
+    )
+    gen.add_argument("--output", help="with --input: write one response per line here")
     gen.add_argument("-n", type=int, default=10, help="beam width = number of ranked items")
     gen.add_argument("--max-tokens", type=int, default=None, help="must be >= the SID depth")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serving.md)")
+    add_engine_args(serve)
+    add_search_args(serve)
+    add_server_args(serve)
+    _defaults_from_settings(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="offline throughput benchmark (CUDA)")
     bench.add_argument("--preset", default=None, help="model shape preset offered by a plugin")
@@ -146,31 +157,119 @@ def _int_list(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", help="the model name clients send")
+    p.add_argument("--max-queue", type=int, help="queued requests before 503 (default 1024)")
+    p.add_argument("--default-n", type=int, help="n when a request sends none (default 10)")
+    p.add_argument("--request-timeout", type=float, help="seconds before 504 (default: none)")
+    p.add_argument("--shutdown-grace", type=float, help="seconds to drain on SIGTERM (default 30)")
+    p.add_argument("--warmup-n", help="beam widths to warm up before /ready (default 10)")
+    p.add_argument("--config", help="settings file (.json or .toml), see docs/serving.md")
+
+
+def _defaults_from_settings(p: argparse.ArgumentParser) -> None:
+    """`serve` flags carry no argparse defaults: a flag left out falls through to FLASHREC_*
+    variables, then the config file, then the settings model's defaults."""
+    for action in p._actions:
+        if action.dest not in ("help", "func"):
+            action.default = argparse.SUPPRESS
+            action.required = False
+    p.set_defaults(command="serve")
+
+
+# flag dest -> EngineConfig field; "no_*" flags are inverted.
+_ENGINE_FLAGS = {
+    "model_path": "model_path", "arch": "arch", "device": "device", "dtype": "dtype",
+    "quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype",
+    "attention_backend": "attention_backend", "kv_cache_tokens": "kv_cache_tokens",
+    "mem_fraction": "mem_fraction", "max_context": "max_context", "max_wave_rows": "max_wave_rows",
+    "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
+    "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
+}  # fmt: skip
+_SEARCH_FLAGS = {
+    "catalog": "catalog_path", "sid_normalization": "sid_normalization",
+    "length_penalty": "length_penalty", "trie": "trie_kind", "sid_level_sizes": "sid_level_sizes",
+    "sid_depth": "sid_depth",
+}  # fmt: skip
+_SERVER_FLAGS = {
+    "host": "host", "port": "port", "api_key": "api_key", "served_model_name": "served_model_name",
+    "max_queue": "max_queue", "default_n": "default_n", "request_timeout": "request_timeout_s",
+    "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
+}  # fmt: skip
+
+
+def engine_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields of the engine flags given (all of them for generate/bench)."""
+    given = vars(args)
+    out: dict[str, Any] = {}
+    for flag, fld in _ENGINE_FLAGS.items():
+        if flag in given:
+            out[fld] = not given[flag] if flag.startswith("no_") else given[flag]
+    if "disable_fused" in given:
+        switches = {s: False for s in given["disable_fused"] if s.startswith("enable_fused_")}
+        from flashrec_core.config import EngineConfig
+
+        out.update({k: v for k, v in switches.items() if k in EngineConfig.model_fields})
+        out["disabled_fused"] = tuple(given["disable_fused"])
+    return out
+
+
+def search_fields(args: argparse.Namespace) -> dict[str, Any]:
+    given = vars(args)
+    out = {fld: given[flag] for flag, fld in _SEARCH_FLAGS.items() if flag in given}
+    if "sid_level_sizes" in out:
+        out["sid_level_sizes"] = _int_list(out["sid_level_sizes"])
+    return out
+
+
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     from flashrec_core.config import EngineConfig
 
-    switches = {s: False for s in args.disable_fused if s.startswith("enable_fused_")}
-    known = {k: v for k, v in switches.items() if k in EngineConfig.model_fields}
-    return EngineConfig(
-        model_path=args.model_path, arch=args.arch, device=args.device, dtype=args.dtype,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
-        mem_fraction=args.mem_fraction, max_context=args.max_context,
-        max_wave_rows=args.max_wave_rows,
-        disabled_fused=tuple(args.disable_fused),
-        prefix_cache=not args.no_prefix_cache, cascade_attention=not args.no_cascade,
-        cuda_graphs=not args.no_cuda_graphs, beam_attention=args.beam_attention, **known,
-    )  # fmt: skip
+    return EngineConfig(**engine_fields(args))
 
 
 def search_config_from_args(args: argparse.Namespace) -> Any:
     from flashrec_core.config import SearchConfig
 
-    return SearchConfig(
-        catalog_path=args.catalog, sid_normalization=args.sid_normalization,
-        length_penalty=args.length_penalty, trie_kind=args.trie,
-        sid_level_sizes=_int_list(args.sid_level_sizes), sid_depth=args.sid_depth,
-    )  # fmt: skip
+    return SearchConfig(**search_fields(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from flashrec_core.server.main import serve
+    from flashrec_core.server.settings import load_settings
+
+    logging.getLogger("flashrec.server").setLevel(logging.INFO)
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)
+    given = vars(args)
+    overrides: dict[str, Any] = {
+        fld: given[flag] for flag, fld in _SERVER_FLAGS.items() if flag in given
+    }
+    if "warmup_n" in overrides:
+        overrides["warmup_n"] = _int_list(overrides["warmup_n"])
+    engine, search = engine_fields(args), search_fields(args)
+    if engine:
+        overrides["engine"] = engine
+    if search:
+        overrides["search"] = search
+    try:
+        settings = load_settings(overrides, given.get("config"))
+    except ValidationError as exc:
+        raise ValueError(_settings_error(exc)) from None
+    return serve(settings)
+
+
+def _settings_error(exc: Any) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    hint = ""
+    if where == "engine" and first["type"] == "missing":
+        where, hint = "engine.model_path", " (pass --model-path or set FLASHREC_ENGINE__MODEL_PATH)"
+    return f"setting {where}: {first['msg']}{hint}"
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -195,8 +294,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from flashrec_core.engine.engine import Engine
 
+    if args.output and not args.input:
+        raise ValueError("--output goes with --input (a JSONL batch)")
     messages = _read_messages(args.messages_json) if args.messages_json else None
     engine = Engine.from_config(engine_config_from_args(args), search_config_from_args(args))
+    if args.input:
+        return _generate_batch(engine, args)
     depth = engine.trie.depth
     if args.max_tokens is not None and args.max_tokens < depth:
         raise ValueError(f"--max-tokens {args.max_tokens} is shorter than the SID depth {depth}")
@@ -210,6 +313,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{c.index + 1:>4}. {c.text}  items: {items}  logprob {c.logprob:.4f}")
     for note in result.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _generate_batch(engine: Any, args: argparse.Namespace) -> int:
+    from flashrec_core.server.batch import run_batch
+    from flashrec_core.server.translate import Defaults
+
+    out = Path(args.output) if args.output else None
+    summary = run_batch(
+        engine, Path(args.input), out, Defaults(n=args.n), Path(args.model_path).name
+    )
+    print(
+        f"{summary.ok} answered, {summary.failed} error lines"
+        + (f" -> {args.output}" if args.output else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -65,6 +65,7 @@ class Engine:
         engine_config: EngineConfig,
         search: SearchConfig | None = None,
         registry: Registry | None = None,
+        max_queue: int = 1024,
     ) -> Engine:
         from transformers import AutoTokenizer
 
@@ -73,7 +74,7 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path, local_files_only=True)
         catalog, layout = _load_layout_and_catalog(tokenizer, search)
         runner = ModelRunner.from_config(engine_config, registry)
-        return cls(runner, tokenizer, layout, catalog, search)
+        return cls(runner, tokenizer, layout, catalog, search, max_queue)
 
     @staticmethod
     def _create_trie(
@@ -84,13 +85,21 @@ class Engine:
         return build_trie(catalog.codes, catalog.level_sizes, kind=search.trie_kind).to(device)
 
     def encode_prompt(
-        self, prompt: str | None = None, messages: Sequence[dict[str, str]] | None = None
+        self,
+        prompt: str | None = None,
+        messages: Sequence[dict[str, str]] | None = None,
+        *,
+        raw: bool = False,
     ) -> list[int]:
         """Token ids of a prompt: the chat template when the tokenizer has one (a bare prompt
-        becomes one user message), raw text otherwise; then <|sid_begin|> when the layout has it."""
+        becomes one user message) unless `raw`, the text as is otherwise; then <|sid_begin|>
+        when the layout has it. Empty or whitespace-only text is a ValueError."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        if self.tokenizer.chat_template:
+        texts = [prompt] if prompt is not None else [m["content"] for m in messages or ()]
+        if not any(t.strip() for t in texts):
+            raise ValueError("the prompt is empty or only whitespace; send the user's history")
+        if self.tokenizer.chat_template and not raw:
             msgs = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
             text = self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=False
@@ -100,9 +109,20 @@ class Engine:
         else:
             text = prompt
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if self.search.append_sid_begin and self.layout.begin_token_id is not None:
-            ids.append(self.layout.begin_token_id)
+        return self.with_sid_begin(ids)
+
+    def with_sid_begin(self, ids: Sequence[int]) -> list[int]:
+        """Prompt token ids as the engine runs them: <|sid_begin|> appended when the layout
+        has it (and `append_sid_begin` is on) and the prompt does not already end with it."""
+        ids = list(ids)
+        begin = self.layout.begin_token_id
+        if self.search.append_sid_begin and begin is not None and (not ids or ids[-1] != begin):
+            ids.append(begin)
         return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
 
     def make_request(
         self,

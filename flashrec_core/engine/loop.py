@@ -393,9 +393,18 @@ class EngineLoop:
             h.future.set_result(replace(result, timings=timings))
 
 
+def wait_done(loop: EngineLoop, handles: Sequence[RequestHandle]) -> None:
+    """Return once every handle is done: the loop thread runs them, or without one, this
+    thread drives the loop itself."""
+    if loop.running:
+        for h in handles:
+            h.future.exception()  # waits; a failure is the caller's to read
+        return
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+
+
 def wait_all(loop: EngineLoop, handles: Sequence[RequestHandle]) -> list[GenerationResult]:
-    """Results of `handles` in order: driven by this thread when no loop thread runs."""
-    if not loop.running:
-        while not all(h.future.done() for h in handles):
-            loop.run_once()
+    """Results of `handles` in order (the first failure is raised)."""
+    wait_done(loop, handles)
     return [h.future.result() for h in handles]

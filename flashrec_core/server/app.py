@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP API over one engine (FastAPI; uvicorn runs it in the engine's
+process, the engine loop on its own thread).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (behind the API key when
+one is set), GET /health (alive), GET /ready (warm-up done), GET /metrics (Prometheus).
+A handler validates and tokenizes, submits to the engine loop, and awaits the request's future
+while watching for the client going away (then the request is cancelled and its rows, KV slots
+and prefix-cache locks are freed at the next step boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.loop import (
+    EngineStoppedError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestRejectedError,
+    RequestTimeoutError,
+)
+from flashrec_core.engine.requests import GenerationRequest, GenerationResult
+from flashrec_core.server import responses
+from flashrec_core.server.errors import APIError, install_error_handlers
+from flashrec_core.server.metrics import ServerMetrics
+from flashrec_core.server.middleware import RequestLogMiddleware
+from flashrec_core.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    Health,
+    ModelList,
+)
+from flashrec_core.server.settings import ServerSettings
+from flashrec_core.server.translate import Defaults, chat_request, completion_requests
+from flashrec_core.server.warmup import warm_up
+
+logger = logging.getLogger("flashrec.server")
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        400: "a bad field (named in error.param), n or prompt over a limit",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        503: "queue full, warming up or shutting down (Retry-After)",
+        504: "the request's timeout passed",
+    }.items()
+}
+DISCONNECT_POLL_S = 0.05
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    ready: threading.Event = field(default_factory=threading.Event)
+    stopping: bool = False
+    warmup_error: str | None = None
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    state = ServerState(engine, settings, ServerMetrics(engine.loop.stats))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not engine.loop.running:
+            engine.loop.start()
+        threading.Thread(
+            target=_warm_up, args=(state,), name="flashrec-warmup", daemon=True
+        ).start()
+        yield
+        state.stopping = True
+        logger.info("draining: up to %.0f s for requests in flight", settings.shutdown_grace_s)
+        await run_in_threadpool(engine.loop.stop, settings.shutdown_grace_s)
+
+    app = FastAPI(
+        title="FlashRec", version=_version(), lifespan=lifespan,
+        description="OpenAI-compatible generative recommendation (SID beam search); docs/api.md",
+    )  # fmt: skip
+    app.state.flashrec = state
+    install_error_handlers(app)
+    app.add_middleware(RequestLogMiddleware, metrics=state.metrics, enabled=settings.log_requests)
+    _add_routes(app, state)
+    return app
+
+
+def _warm_up(state: ServerState) -> None:
+    try:
+        warm_up(state.engine, state.settings.warmup_n)
+    except Exception as exc:  # keep serving /health; /ready says why it is not ready
+        logger.exception("warm-up failed")
+        state.warmup_error = f"warm-up failed: {exc}"
+        return
+    state.ready.set()
+    logger.info("ready: serving %s", state.settings.model_name)
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    engine, settings = state.engine, state.settings
+    defaults = Defaults(n=settings.default_n, timeout_s=settings.request_timeout_s)
+    key = settings.api_key.get_secret_value().encode() if settings.api_key else None
+
+    def authorize(request: Request) -> None:
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
+            raise APIError(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None,
+                "invalid_api_key", {"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(
+                404, f"model {name!r} is not served here; GET /v1/models lists "
+                f"{settings.model_name!r}", "model", "model_not_found",
+            )  # fmt: skip
+
+    def check_serving() -> None:
+        if state.stopping:
+            raise APIError(503, "the server is shutting down", None, "shutting_down",
+                           {"Retry-After": "5"})  # fmt: skip
+        if not state.ready.is_set():
+            why = state.warmup_error or "the engine is warming up"
+            raise APIError(503, why, None, "not_ready", {"Retry-After": "1"})
+
+    async def run(request: Request, reqs: Sequence[GenerationRequest], timeout: float | None):
+        return await _run_requests(engine, request, reqs, timeout or defaults.timeout_s)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS,
+              dependencies=[Depends(authorize)])  # fmt: skip
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        check_serving()
+        gen = await run_in_threadpool(chat_request, engine, body, defaults)
+        [result] = await run(request, [gen], body.timeout)
+        payload = responses.chat_completion(
+            responses.new_id("chatcmpl"), settings.model_name, result
+        )
+        state.metrics.observe_stages(result.timings)
+        if body.stream:
+            return _sse(responses.chat_stream_chunks(payload))
+        return JSONResponse(payload)
+
+    @app.post("/v1/completions", response_model=Completion, responses=ERRORS,
+              dependencies=[Depends(authorize)])  # fmt: skip
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        check_serving()
+        gens = await run_in_threadpool(completion_requests, engine, body, defaults)
+        results = await run(request, gens, body.timeout)
+        payload = responses.completion(responses.new_id("cmpl"), settings.model_name, results)
+        for r in results:
+            state.metrics.observe_stages(r.timings)
+        if body.stream:
+            return _sse(responses.completion_stream_chunks(payload))
+        return JSONResponse(payload)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
+             dependencies=[Depends(authorize)])  # fmt: skip
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(engine, settings)]}
+
+    @app.get("/health", response_model=Health)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=Health, responses={503: {"model": Health}})
+    async def ready() -> Response:
+        if state.stopping:
+            return JSONResponse({"status": "stopping"}, 503, {"Retry-After": "5"})
+        if not state.ready.is_set():
+            return JSONResponse({"status": "loading"}, 503, {"Retry-After": "1"})
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _run_requests(
+    engine: Engine, request: Request, reqs: Sequence[GenerationRequest], timeout: float | None
+) -> list[GenerationResult]:
+    """Submit to the loop and await every result; a client that goes away cancels them."""
+    rid = request.state.request_id if hasattr(request.state, "request_id") else None
+    handles = []
+    try:
+        for r in reqs:
+            handles.append(engine.loop.submit(r, timeout=timeout, request_id=rid))
+    except QueueFullError as exc:
+        _cancel(engine, handles, "a sibling prompt was refused")
+        raise APIError(503, str(exc), None, "queue_full", {"Retry-After": "1"}) from None
+    except EngineStoppedError as exc:
+        _cancel(engine, handles, "the server is shutting down")
+        raise APIError(503, str(exc), None, "shutting_down", {"Retry-After": "5"}) from None
+    except RequestRejectedError as exc:  # translate checked already; the pool may have shrunk
+        _cancel(engine, handles, "a sibling prompt was rejected")
+        raise APIError(400, str(exc), exc.param, "invalid_value") from None
+    futures = [asyncio.wrap_future(h.future) for h in handles]
+    pending = set(futures)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
+        if pending and await request.is_disconnected():
+            _cancel(engine, handles, "the client disconnected")
+            raise ClientGone()
+    try:
+        return [f.result() for f in futures]
+    except RequestTimeoutError as exc:
+        _cancel(engine, handles, "a sibling prompt timed out")
+        raise APIError(504, f"{exc}; raise `timeout` or retry", "timeout", "timeout") from None
+    except RequestCancelledError as exc:
+        raise APIError(503, str(exc), None, "cancelled", {"Retry-After": "5"}) from None
+
+
+class ClientGone(APIError):
+    """The client went away; nobody reads the answer (nginx's 499 in logs and metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client closed the request", None, "client_closed_request")
+
+
+def _cancel(engine: Engine, handles: Sequence[Any], reason: str) -> None:
+    for h in handles:
+        h.cancel(reason)
+    engine.loop.wake()
+
+
+def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
+    catalog = engine.catalog
+    limits = engine.loop.limits
+    return {
+        "id": settings.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "flashrec",
+        "root": settings.engine.model_path,
+        "max_model_len": min(limits.max_context, limits.max_position - limits.depth),
+        "flashrec": {
+            "architectures": list(engine.runner.loaded.spec.architectures),
+            "sid_depth": limits.depth,
+            "level_sizes": list(engine.layout.level_sizes),
+            "catalog_sids": len(catalog) if catalog is not None else None,
+            "catalog_items": catalog.num_items if catalog is not None else None,
+            "max_beam_rows": limits.max_wave_rows,
+        },
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashrec-core")
+    except PackageNotFoundError:
+        return "0+unknown"

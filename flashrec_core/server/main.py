@@ -1,0 +1,37 @@
+"""`flashrec serve`: load the engine, then run the HTTP API under uvicorn in this process.
+
+Loading happens before the port opens, so a bad checkpoint or catalog fails the command (exit
+code 2) instead of leaving a server that never becomes ready. Warm-up runs after the port opens
+(/health answers, /ready turns 200 when it is done). SIGTERM or Ctrl-C: uvicorn stops accepting
+connections and lets requests in flight finish (up to `shutdown_grace_s`), then the engine loop
+drains and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flashrec_core.server.settings import ServerSettings
+
+logger = logging.getLogger("flashrec.server")
+
+
+def serve(settings: ServerSettings) -> int:
+    import uvicorn
+
+    from flashrec_core.engine.engine import Engine
+    from flashrec_core.server.app import create_app
+
+    logger.info("loading %s", settings.engine.model_path)
+    engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
+    app = create_app(engine, settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, access_log=False, log_level="info",
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace_s)),
+        log_config=None,  # keep the process's logging setup (one format for engine and server)
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key (--api-key)", settings.host)
+    server.run()
+    return 0

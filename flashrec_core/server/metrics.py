@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (prometheus-client, a registry of its own).
+
+Request counts and latency histograms are updated by the HTTP handlers; engine gauges (queue,
+running requests and beam rows, KV and request slots, prefix-cache locks) and engine totals
+(prefix-cache hit tokens, invalid results) are read from `EngineLoop.stats()` at scrape time, so
+they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from flashrec_core.engine.loop import LoopStats
+from flashrec_core.engine.requests import RequestTimings
+
+# Seconds: beam search requests take milliseconds on a GPU, up to seconds queued under load.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        if s is None:  # engine still loading
+            return
+        gauges = {
+            "queue_depth": ("requests waiting for admission", s.queued),
+            "running_requests": ("requests in a wave in flight", s.running_requests),
+            "running_beam_rows": ("beam rows in flight", s.running_rows),
+            "kv_slots_total": ("token slots of the KV pool", s.kv_slots_total),
+            "kv_slots_free": ("KV slots neither in use nor cached", s.kv_slots_free),
+            "kv_slots_cached": ("KV slots held by the prefix cache", s.kv_slots_cached),
+            "kv_slots_used": (
+                "KV slots held by requests in flight",
+                s.kv_slots_total - s.kv_slots_free - s.kv_slots_cached,
+            ),
+            "prefix_cache_locked_nodes": ("prefix-cache nodes locked", s.prefix_cache_locked_nodes),
+            "request_slots_total": ("rows of the request table", s.request_slots_total),
+            "request_slots_used": ("request-table rows in use", s.request_slots_used),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"flashrec_{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "flashrec_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+            value=s.prefix_cache_hit_tokens,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "flashrec_invalid_results", "returned beams that are not catalog SIDs (must stay 0)",
+            value=s.invalid_results,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "flashrec_engine_iterations", "engine loop iterations", value=s.iterations
+        )
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "flashrec_requests", "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"], registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "flashrec_request_latency_seconds", "end-to-end latency of answered requests",
+            ["endpoint"], buckets=_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.stage = Histogram(
+            "flashrec_request_stage_seconds",
+            "time per request stage: queue, prefill (with first selection), decode (beam steps)",
+            ["stage"], buckets=_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_EngineCollector(stats))
+
+    def observe(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        if status == 200:
+            self.latency.labels(endpoint).observe(seconds)
+
+    def observe_stages(self, timings: RequestTimings | None) -> None:
+        if timings is None:
+            return
+        self.stage.labels("queue").observe(timings.queue_s)
+        self.stage.labels("prefill").observe(timings.prefill_s)
+        self.stage.labels("decode").observe(timings.decode_s)

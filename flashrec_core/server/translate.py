@@ -1,0 +1,116 @@
+"""API request bodies -> engine requests, with every check that names the field at fault.
+
+Used by the HTTP server and by the offline batch command (`flashrec generate --input`), so a
+line of a batch file is checked exactly like an HTTP request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.loop import RequestRejectedError
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.server.errors import APIError
+from flashrec_core.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _SearchFields,
+)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Server-side defaults for fields a request leaves out."""
+
+    n: int = 10
+    timeout_s: float | None = None
+
+
+def bad_request(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def chat_request(
+    engine: Engine, body: ChatCompletionRequest, defaults: Defaults
+) -> GenerationRequest:
+    _check_max_tokens(engine, body.max_completion_tokens, "max_completion_tokens")
+    messages = [
+        {"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)
+    ]
+    try:
+        ids = engine.encode_prompt(messages=messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return _request(engine, body, ids, defaults, "messages")
+
+
+def completion_requests(
+    engine: Engine, body: CompletionRequest, defaults: Defaults
+) -> list[GenerationRequest]:
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # one prompt
+    if not prompts:
+        raise bad_request("prompt is empty", "prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        out.append(_request(engine, body, _completion_ids(engine, p, param), defaults, param))
+    return out
+
+
+def _completion_ids(engine: Engine, prompt: str | list[int], param: str) -> list[int]:
+    if isinstance(prompt, str):
+        try:
+            return engine.encode_prompt(prompt=prompt, raw=True)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+    if not prompt:
+        raise bad_request("the token-id prompt is empty", param)
+    vocab = engine.vocab_size
+    for j, t in enumerate(prompt):
+        if not 0 <= t < vocab:
+            raise bad_request(
+                f"token id {t} is outside the vocabulary 0..{vocab - 1}", f"{param}[{j}]"
+            )
+    return engine.with_sid_begin(prompt)
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def _check_max_tokens(engine: Engine, value: int | None, param: str) -> None:
+    depth = engine.trie.depth
+    if value is not None and value < depth:
+        raise bad_request(
+            f"{param}={value} is shorter than the SID depth {depth}; a recommendation takes "
+            f"{depth} tokens (leave it out or send >= {depth})", param,
+        )  # fmt: skip
+
+
+def _request(
+    engine: Engine, body: _SearchFields, ids: list[int], defaults: Defaults, prompt_param: str
+) -> GenerationRequest:
+    _check_max_tokens(engine, body.max_tokens, "max_tokens")
+    n = body.n if body.n is not None else defaults.n
+    catalog = engine.catalog
+    if catalog is not None and n > len(catalog):
+        raise bad_request(
+            f"n={n} exceeds the {len(catalog)} SIDs in the catalog; ask for at most {len(catalog)}",
+            "n",
+        )
+    try:
+        req = GenerationRequest(tuple(ids), n, body.temperature, body.seed)
+        engine.loop.check(req)
+    except RequestRejectedError as exc:
+        param = prompt_param if exc.param == "messages" else exc.param
+        code = "context_length_exceeded" if exc.param == "messages" else "invalid_value"
+        raise bad_request(str(exc), param, code) from None
+    except ValueError as exc:
+        raise bad_request(str(exc), None) from None
+    return req

@@ -64,6 +64,19 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         504: "the request's timeout passed",
     }.items()
 }
+_SSE_EVENT = {  # one server-sent event: `data:` holds a JSON chunk, or [DONE] at the end
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+STREAMED: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    200: {
+        "description": "the ranked choices; with `stream: true` an SSE stream: one chunk with every "
+        "choice, one usage chunk, then `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+    },
+}
 DISCONNECT_POLL_S = 0.05
 
 
@@ -148,7 +161,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def run(request: Request, reqs: Sequence[GenerationRequest], timeout: float | None):
         return await _run_requests(engine, request, reqs, timeout or defaults.timeout_s)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS,
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
@@ -163,7 +176,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return _sse(responses.chat_stream_chunks(payload))
         return JSONResponse(payload)
 
-    @app.post("/v1/completions", response_model=Completion, responses=ERRORS,
+    @app.post("/v1/completions", response_model=Completion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)

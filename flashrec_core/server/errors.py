@@ -85,7 +85,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    first = errors[0]
+    # the most specific problem: in a union, the branch that got furthest names the real field
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    if any(e.get("type") == "json_invalid" for e in errors):
+        first = next(e for e in errors if e.get("type") == "json_invalid")
     if first.get("type") == "json_invalid":
         return (
             f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}",

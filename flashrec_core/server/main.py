@@ -10,6 +10,7 @@ drains and the process exits 0.
 from __future__ import annotations
 
 import logging
+import signal
 
 from flashrec_core.server.settings import ServerSettings
 
@@ -33,5 +34,13 @@ def serve(settings: ServerSettings) -> int:
     server = uvicorn.Server(config)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key (--api-key)", settings.host)
+    # uvicorn drains, restores the handlers it found, then re-raises the signal it caught: with
+    # this one in place that ends the command normally (exit 0) instead of killing the process.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _drained)
     server.run()
     return 0
+
+
+def _drained(signum: int, _frame: object) -> None:
+    logger.info("stopped by %s after draining", signal.Signals(signum).name)

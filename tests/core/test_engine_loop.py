@@ -1,0 +1,141 @@
+"""The engine loop driven step by step: admission between steps, cancellation and deadlines that
+free a wave's rows, KV slots, table rows and prefix locks, the bounded queue, and results that
+equal the same requests run alone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.loop import (
+    EngineStoppedError,
+    QueueFullError,
+    RequestCancelledError,
+    RequestRejectedError,
+    RequestTimeoutError,
+)
+from flashrec_core.testing.hf_beam import assert_same_ranking
+
+ATOL_SAME_ENGINE = 1e-5  # one fp32 engine, two batch compositions (see beam_conformance)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    from flashrec_core.demo import write_demo
+
+    path = tmp_path_factory.mktemp("loop") / "ckpt"
+    write_demo(path, "Qwen3ForCausalLM", (16, 16, 16), num_items=800, seed=1)
+    cfg = EngineConfig(model_path=str(path), device="cpu", kv_cache_tokens=4096, max_wave_rows=64,
+                       show_progress=False)  # fmt: skip
+    return Engine.from_config(
+        cfg, SearchConfig(catalog_path=str(path / "catalog.json")), max_queue=8
+    )
+
+
+def assert_idle(engine: Engine) -> None:
+    s = engine.loop.stats()
+    assert (s.queued, s.running_requests, s.running_rows, s.request_slots_used) == (0, 0, 0, 0)
+    assert s.prefix_cache_locked_nodes == 0
+    assert s.kv_slots_free + s.kv_slots_cached == s.kv_slots_total, "a KV slot leaked"
+
+
+def ranking(result) -> list[tuple[tuple[int, ...], float]]:
+    return [(c.codes, c.logprob) for c in result.choices]
+
+
+def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
+    loop = engine.loop
+    first = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
+    loop.run_once()  # admitted and prefilled: the wave is at level 1
+    second = loop.submit(engine.make_request(prompt="w4 w5", n=4))
+    loop.run_once()  # first takes level 2 while second is admitted alongside it
+    assert loop.stats().running_requests == 2
+    assert second.admitted_at is not None, "admitted at the next step boundary"
+    while not (first.future.done() and second.future.done()):
+        loop.run_once()
+    for h in (first, second):
+        [alone] = engine.generate([h.request])
+        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_cancel_mid_wave_frees_that_request_only(engine: Engine) -> None:
+    loop = engine.loop
+    keep = loop.submit(engine.make_request(prompt="w9 w8 w7", n=8))
+    drop = loop.submit(engine.make_request(prompt="w9 w8 w6", n=8))
+    loop.run_once()
+    assert loop.stats().running_rows == 16
+    drop.cancel()
+    loop.run_once()
+    assert loop.stats().running_rows == 8, "the cancelled request's rows left at the boundary"
+    with pytest.raises(RequestCancelledError):
+        drop.future.result(timeout=0)
+    while not keep.future.done():
+        loop.run_once()
+    [alone] = engine.generate([keep.request])
+    assert_same_ranking(ranking(keep.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_deadline_passes_in_queue_and_in_flight(engine: Engine) -> None:
+    loop = engine.loop
+    queued = loop.submit(engine.make_request(prompt="w1", n=4), timeout=1e-6)
+    time.sleep(0.001)
+    loop.run_once()
+    with pytest.raises(RequestTimeoutError):
+        queued.future.result(timeout=0)
+    running = loop.submit(engine.make_request(prompt="w2", n=4), timeout=0.05)
+    loop.run_once()
+    time.sleep(0.06)
+    loop.run_once()
+    with pytest.raises(RequestTimeoutError):
+        running.future.result(timeout=0)
+    assert_idle(engine)
+
+
+def test_bounded_queue_and_rejected_requests(engine: Engine) -> None:
+    loop = engine.loop
+    handles = [loop.submit(engine.make_request(prompt=f"w{i}", n=2)) for i in range(8)]
+    with pytest.raises(QueueFullError, match="queue is full"):
+        loop.submit(engine.make_request(prompt="w1", n=2))
+    for h in handles:
+        h.cancel()
+    loop.run_once()
+    with pytest.raises(RequestRejectedError, match="beam-row budget") as info:
+        loop.submit(engine.make_request(prompt="w1", n=65))
+    assert info.value.param == "n"
+    assert_idle(engine)
+
+
+def test_waves_group_one_width_and_keep_arrival_order(engine: Engine) -> None:
+    loop = engine.loop
+    widths = [4, 8, 4, 8, 4]
+    handles = [
+        loop.submit(engine.make_request(prompt=f"w{i} w3", n=n)) for i, n in enumerate(widths)
+    ]
+    loop.run_once()
+    # the oldest request's width (4) forms the first wave: the three n=4 requests
+    assert [h.admitted_at is not None for h in handles] == [True, False, True, False, True]
+    results = engine.generate([h.request for h in handles])  # the same requests, offline
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    for h, offline in zip(handles, results):
+        assert_same_ranking(ranking(h.future.result()), ranking(offline), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_background_thread_serves_and_stops(tmp_path: Path, engine: Engine) -> None:
+    loop = engine.loop
+    loop.start()
+    try:
+        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
+        assert len(result.choices) == 4
+    finally:
+        loop.stop(grace_s=5)
+    assert not loop.running
+    with pytest.raises(EngineStoppedError):
+        loop.submit(engine.make_request(prompt="w1", n=2))

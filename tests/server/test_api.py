@@ -1,0 +1,235 @@
+"""The HTTP API through real clients (the `openai` package and httpx) against a live server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+from openai import APIStatusError, OpenAI
+
+from flashrec_core.engine.engine import Engine
+from flashrec_core.testing.hf_beam import assert_same_ranking
+from flashrec_core.testing.server_process import ServerProcess, read_metrics
+
+from .conftest import API_KEY
+
+ATOL_SAME_ENGINE = 1e-5
+"""Server vs in-process engine, both fp32 on CPU over the same files: only the batch a request
+shares its steps with differs (GEMM blocking), measured under 2e-6 on a 3-level log-prob."""
+
+PROMPT = "user history w1 w7 w3 item w9"
+
+
+def client(server: ServerProcess, key: str = API_KEY) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def model_name(server: ServerProcess) -> str:
+    return client(server).models.list().data[0].id
+
+
+def ranked(choices: list) -> list[tuple[tuple[int, ...], float]]:
+    return [(tuple(c["codes"]), c["logprob"]) for c in choices]
+
+
+def test_chat_completion_with_the_openai_client(server: ServerProcess, engine: Engine) -> None:
+    resp = client(server).chat.completions.create(
+        model=model_name(server), messages=[{"role": "user", "content": PROMPT}], n=8
+    )
+    assert resp.object == "chat.completion" and len(resp.choices) == 8
+    ext = [c.model_extra["flashrec"] for c in resp.choices]
+    assert [c.index for c in resp.choices] == list(range(8))
+    assert [e["rank"] for e in ext] == list(range(8))
+    scores = [e["logprob"] for e in ext]
+    assert scores == sorted(scores, reverse=True), "choices are ranked best first"
+    for choice, e in zip(resp.choices, ext):
+        assert choice.message.content == engine.layout.format(e["codes"])
+        assert e["items"] and engine.catalog.lookup(e["codes"]) == tuple(e["items"])
+        assert math.isclose(sum(e["level_logprobs"]), e["logprob"], abs_tol=1e-5)
+        assert math.isclose(e["score"], e["logprob"] / 3, rel_tol=1e-9)
+    req = engine.make_request(messages=[{"role": "user", "content": PROMPT}], n=8)
+    [alone] = engine.generate([req])
+    got = ranked(ext)
+    assert_same_ranking(got, [(c.codes, c.logprob) for c in alone.choices], ATOL_SAME_ENGINE)
+    assert resp.usage.prompt_tokens == len(req.prompt_ids)
+    assert resp.usage.completion_tokens == 8 * 3
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_text_parts_and_system_messages(server: ServerProcess) -> None:
+    resp = client(server).chat.completions.create(
+        model=model_name(server), n=3,
+        messages=[{"role": "system", "content": "recommend"},
+                  {"role": "user", "content": [{"type": "text", "text": "w1 w2"},
+                                               {"type": "text", "text": " w3"}]}],
+    )  # fmt: skip
+    assert len(resp.choices) == 3
+
+
+def test_completions_text_token_ids_and_batches(server: ServerProcess, engine: Engine) -> None:
+    c = client(server)
+    text = c.completions.create(model=model_name(server), prompt=PROMPT, n=4)
+    ids = engine.encode_prompt(prompt=PROMPT, raw=True)
+    by_ids = c.completions.create(model=model_name(server), prompt=ids, n=4)
+    assert [x.text for x in text.choices] == [x.text for x in by_ids.choices]
+    batch = c.completions.create(model=model_name(server), prompt=[PROMPT, "w5 w6"], n=4)
+    assert [x.index for x in batch.choices] == list(range(8))
+    assert [x.text for x in batch.choices[:4]] == [x.text for x in text.choices]
+
+
+def test_streaming_returns_ranked_choices_then_usage(server: ServerProcess) -> None:
+    stream = client(server).chat.completions.create(
+        model=model_name(server), messages=[{"role": "user", "content": PROMPT}], n=5,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert len(chunks) == 2
+    first, last = chunks
+    assert [c.index for c in first.choices] == list(range(5))
+    assert all(c.delta.content.startswith("<s_a_") and c.finish_reason == "stop"
+               for c in first.choices)  # fmt: skip
+    assert last.choices == [] and last.usage.completion_tokens == 15
+
+
+def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]) -> None:
+    [card] = client(server).models.list().data
+    assert card.id == "genrec-tiny" and card.model_extra["flashrec"]["sid_depth"] == 3
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
+    metrics = read_metrics(server.url)
+    for name in (
+        "flashrec_queue_depth",
+        "flashrec_kv_slots_free",
+        "flashrec_running_beam_rows",
+        "flashrec_invalid_results_total",
+        "flashrec_prefix_cache_hit_tokens_total",
+    ):
+        assert name in metrics, name  # fmt: skip
+    assert metrics["flashrec_invalid_results_total"] == 0
+    assert any(k.startswith("flashrec_request_stage_seconds_bucket") for k in metrics)
+
+
+def test_request_id_is_echoed(server: ServerProcess, auth: dict[str, str]) -> None:
+    r = httpx.get(server.url + "/v1/models", headers={**auth, "X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+
+
+def _post(
+    server: ServerProcess, path: str, body: object, headers: dict[str, str]
+) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=60,
+                      headers={"content-type": "application/json", **headers})  # fmt: skip
+
+
+def _chat(**fields: object) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": PROMPT}], **fields}
+
+
+BAD_INPUTS = [
+    # (id, path, body, status, param)
+    ("malformed-json", "/v1/chat/completions", '{"messages": [', 400, None),
+    ("not-an-object", "/v1/chat/completions", "[1, 2]", 400, None),
+    ("missing-messages", "/v1/chat/completions", {"n": 3}, 400, "messages"),
+    ("empty-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("messages-not-list", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("n-zero", "/v1/chat/completions", _chat(n=0), 400, "n"),
+    ("n-negative", "/v1/chat/completions", _chat(n=-1), 400, "n"),
+    ("n-huge", "/v1/chat/completions", _chat(n=10**9), 400, "n"),
+    ("n-string", "/v1/chat/completions", _chat(n="five"), 400, "n"),
+    ("n-float", "/v1/chat/completions", _chat(n=2.5), 400, "n"),
+    ("temperature-nan", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "w1"}],'
+     ' "temperature": NaN}', 400, "temperature"),
+    ("temperature-negative", "/v1/chat/completions", _chat(temperature=-0.5), 400, "temperature"),
+    ("temperature-infinite", "/v1/chat/completions", '{"messages": [{"role": "user", "content":'
+     ' "w1"}], "temperature": Infinity}', 400, "temperature"),
+    ("empty-prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
+    ("whitespace-prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "  \n\t "}]}, 400, "messages"),
+    ("over-long-prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w1 " * 40000}]}, 400, "messages"),
+    ("image-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages[0].content[0].type"),
+    ("bad-role", "/v1/chat/completions",
+     {"messages": [{"role": "robot", "content": "w1"}]}, 400, "messages[0].role"),
+    ("unknown-field", "/v1/chat/completions", _chat(beams=4), 400, "beams"),
+    ("max-tokens-short", "/v1/chat/completions", _chat(max_tokens=2), 400, "max_tokens"),
+    ("max-completion-tokens-short", "/v1/chat/completions", _chat(max_completion_tokens=1), 400,
+     "max_completion_tokens"),
+    ("seed-negative", "/v1/chat/completions", _chat(seed=-3), 400, "seed"),
+    ("timeout-zero", "/v1/chat/completions", _chat(timeout=0), 400, "timeout"),
+    ("unknown-model", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model"),
+    ("prompt-missing", "/v1/completions", {"n": 2}, 400, "prompt"),
+    ("prompt-empty-ids", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("prompt-id-out-of-vocab", "/v1/completions", {"prompt": [1, 10**7]}, 400, "prompt[1]"),
+    ("prompt-negative-id", "/v1/completions", {"prompt": [-1]}, 400, "prompt[0]"),
+    ("prompt-whitespace", "/v1/completions", {"prompt": "   "}, 400, "prompt"),
+    ("prompt-wrong-type", "/v1/completions", {"prompt": {"text": "w1"}}, 400, "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_gets_4xx_naming_the_field(
+    server: ServerProcess, auth: dict[str, str], path: str, body: object, status: int,
+    param: str | None,
+) -> None:  # fmt: skip
+    r = _post(server, path, body, auth)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    good = _post(server, "/v1/chat/completions", _chat(n=2), auth)
+    assert good.status_code == 200 and len(good.json()["choices"]) == 2
+
+
+def test_auth_and_routes(server: ServerProcess, auth: dict[str, str]) -> None:
+    no_key = _post(server, "/v1/chat/completions", _chat(), {})
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    wrong = _post(server, "/v1/chat/completions", _chat(), {"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    with pytest.raises(APIStatusError) as info:
+        client(server, key="wrong").models.list()
+    assert info.value.status_code == 401
+    missing = httpx.get(server.url + "/v1/nothing", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(server.url + "/v1/chat/completions", headers=auth)
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert httpx.get(server.url + "/health").status_code == 200, "probes need no key"
+
+
+def test_timeout_gives_504_and_frees_everything(
+    server: ServerProcess, auth: dict[str, str]
+) -> None:
+    r = _post(server, "/v1/chat/completions", _chat(n=64, timeout=1e-6), auth)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
+    assert_idle(server)
+
+
+def assert_idle(server: ServerProcess, within_s: float = 10.0) -> None:
+    """Every request slot, KV slot and prefix-cache lock is back to its idle value."""
+    import time
+
+    end = time.monotonic() + within_s
+    while True:
+        m = read_metrics(server.url)
+        idle = {
+            "queue": m["flashrec_queue_depth"], "running": m["flashrec_running_requests"],
+            "rows": m["flashrec_running_beam_rows"], "kv_used": m["flashrec_kv_slots_used"],
+            "request_slots": m["flashrec_request_slots_used"],
+            "locks": m["flashrec_prefix_cache_locked_nodes"],
+        }  # fmt: skip
+        if not any(idle.values()):
+            assert (
+                m["flashrec_kv_slots_free"] + m["flashrec_kv_slots_cached"]
+                == m["flashrec_kv_slots_total"]
+            )
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"not idle after {within_s} s: {idle}")
+        time.sleep(0.05)

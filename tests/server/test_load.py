@@ -1,0 +1,140 @@
+"""The server under concurrent load, client disconnects, a full queue and SIGTERM: answers stay
+equal to the same request served alone, and every resource returns to idle."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flashrec_core.testing.hf_beam import assert_same_ranking
+from flashrec_core.testing.server_process import ServerProcess, read_metrics
+
+from .conftest import API_KEY, server_args
+from .test_api import ATOL_SAME_ENGINE, assert_idle
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+WORDS = [f"w{i}" for i in range(48)]
+
+
+def _body(prompt: str, n: int, **extra: object) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": prompt}], "n": n, **extra}
+
+
+def _ranked(response: dict) -> list[tuple[tuple[int, ...], float]]:
+    return [(tuple(c["flashrec"]["codes"]), c["flashrec"]["logprob"]) for c in response["choices"]]
+
+
+async def _send_all(url: str, bodies: list[dict], concurrency: int) -> list[httpx.Response]:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=120) as client:
+
+        async def one(body: dict) -> httpx.Response:
+            async with limit:
+                return await client.post("/v1/chat/completions", json=body)
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_300_concurrent_requests_equal_the_same_requests_alone(server: ServerProcess) -> None:
+    rng = random.Random(5)
+    # 40 distinct requests (prompts share prefixes, so the prefix cache is exercised), mixed n
+    distinct = [
+        _body("user history " + " ".join(rng.choices(WORDS, k=rng.randint(2, 30))), n)
+        for n in (1, 3, 8, 16, 33) for _ in range(8)
+    ]  # fmt: skip
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
+        alone = [c.post("/v1/chat/completions", json=b).json() for b in distinct]
+    picks = [rng.randrange(len(distinct)) for _ in range(300)]
+    before = read_metrics(server.url)
+    answers = asyncio.run(_send_all(server.url, [distinct[i] for i in picks], concurrency=32))
+    assert [r.status_code for r in answers] == [200] * 300, {r.status_code for r in answers}
+    for i, r in zip(picks, answers):
+        assert_same_ranking(
+            _ranked(r.json()), _ranked(alone[i]), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE
+        )
+    assert_idle(server)
+    after = read_metrics(server.url)
+    assert after["flashrec_invalid_results_total"] == 0
+    hits = (
+        after["flashrec_prefix_cache_hit_tokens_total"]
+        - before["flashrec_prefix_cache_hit_tokens_total"]
+    )
+    assert hits > 0, "repeated prompts are served from the prefix cache"
+
+
+@pytest.fixture
+def busy_server(checkpoint: Path):
+    """A server whose waves hold 64 beam rows, so a burst of n=32 requests queues for a while."""
+    with ServerProcess(server_args(checkpoint, "--max-wave-rows", "64", "--max-queue", "400",
+                                   "--shutdown-grace", "60")) as proc:  # fmt: skip
+        yield proc
+
+
+def _burst(count: int, n: int = 32) -> list[dict]:
+    return [
+        _body(f"user history w{i % 40} w{(i * 7) % 40} " + "w1 " * 200, n) for i in range(count)
+    ]
+
+
+def test_client_that_disconnects_is_cancelled_and_freed(busy_server: ServerProcess) -> None:
+    async def scenario() -> tuple[list[httpx.Response], bool]:
+        load = asyncio.create_task(_send_all(busy_server.url, _burst(150), concurrency=150))
+        await asyncio.sleep(0.5)  # the burst is queued now
+        gone = False
+        async with httpx.AsyncClient(base_url=busy_server.url, headers=HEADERS) as c:
+            try:
+                await c.post("/v1/chat/completions", json=_burst(1)[0], timeout=0.3)
+            except httpx.TimeoutException:
+                gone = True
+        return await load, gone
+
+    before = read_metrics(busy_server.url)
+    answers, gone = asyncio.run(scenario())
+    assert gone, "the request was meant to be still waiting when its client went away"
+    assert all(r.status_code == 200 for r in answers)
+    key = "flashrec_requests_total{endpoint=/v1/chat/completions,status=499}"
+    assert read_metrics(busy_server.url).get(key, 0) - before.get(key, 0) == 1
+    assert_idle(busy_server)
+
+
+def test_full_queue_answers_503_with_retry_after(checkpoint: Path) -> None:
+    args = server_args(checkpoint, "--max-wave-rows", "32", "--max-queue", "4")
+    with ServerProcess(args) as proc:
+        answers = asyncio.run(_send_all(proc.url, _burst(60), concurrency=60))
+        codes = [r.status_code for r in answers]
+        assert set(codes) == {200, 503} and codes.count(200) >= 4, codes
+        full = next(r for r in answers if r.status_code == 503)
+        assert full.headers["retry-after"] and full.json()["error"]["code"] == "queue_full"
+        assert_idle(proc)
+        again = httpx.post(
+            proc.url + "/v1/chat/completions", json=_body("w1 w2", 4), headers=HEADERS
+        )
+        assert again.status_code == 200
+
+
+def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProcess) -> None:
+    async def scenario() -> tuple[list[httpx.Response], Exception | int]:
+        load = asyncio.create_task(_send_all(busy_server.url, _burst(60), concurrency=60))
+        await asyncio.sleep(0.5)
+        busy_server.terminate()
+        await asyncio.sleep(0.3)
+        try:  # a new request after SIGTERM is refused
+            async with httpx.AsyncClient(base_url=busy_server.url, headers=HEADERS) as c:
+                late: Exception | int = (
+                    await c.post("/v1/chat/completions", json=_body("w1", 2), timeout=10)
+                ).status_code
+        except httpx.HTTPError as exc:
+            late = exc
+        return await load, late
+
+    start = time.monotonic()
+    answers, late = asyncio.run(scenario())
+    assert [r.status_code for r in answers] == [200] * 60, "requests in flight complete"
+    assert isinstance(late, httpx.ConnectError) or late == 503, late
+    assert busy_server.wait(timeout_s=60) == 0, busy_server.log()[-3000:]
+    assert time.monotonic() - start < 60

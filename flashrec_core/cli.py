@@ -81,6 +81,16 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--profile", default=None, help="write a torch.profiler table of one wave here"
     )
+    e2e = bench.add_argument_group("end to end (docs/benchmarks.md)")
+    e2e.add_argument("--write-checkpoint", metavar="DIR",
+                     help="write the preset as a random-weight checkpoint dir + catalog, exit")  # fmt: skip
+    e2e.add_argument("--engine", metavar="DIR", help="time Engine.generate on this checkpoint dir")
+    e2e.add_argument("--server", metavar="URL", help="load a running flashrec serve")
+    e2e.add_argument("--model-dir", help="with --server: the checkpoint it serves (vocab size)")
+    e2e.add_argument("--rates", default="0.5,0.7,0.9,1.1",
+                     help="open-loop rates: fractions of saturation (<= 1.5) or requests/s")  # fmt: skip
+    e2e.add_argument("--concurrency", type=int, default=64, help="closed-loop saturation run")
+    e2e.add_argument("--api-key", default=None)
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
@@ -349,6 +359,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     level_sizes = _int_list(args.level_sizes)
     assert level_sizes is not None, "argparse supplies a default"
+    if args.write_checkpoint or args.engine or args.server:
+        return _bench_e2e(args, level_sizes)
     bc = BenchConfig(
         preset=args.preset, config_path=args.config, prompt_len=args.prompt_len,
         shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
@@ -359,6 +371,50 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profile_path=args.profile,
     )  # fmt: skip
     main_bench(bc, args.out)
+    return 0
+
+
+def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
+    from flashrec_core.bench import e2e
+    from flashrec_core.bench.workload import (
+        RequestSpec,
+        load_shape,
+        sid_layout_at_end,
+        synthetic_requests,
+    )
+
+    if args.write_checkpoint:
+        shape = load_shape(args.preset, args.config)
+        path = e2e.write_bench_checkpoint(
+            shape, level_sizes, args.catalog_size, Path(args.write_checkpoint)
+        )
+        print(f"wrote {path}")
+        return 0
+    if args.engine:
+        result = e2e.bench_engine(
+            Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
+            level_sizes,
+        )  # fmt: skip
+    else:
+        from flashrec_core.bench.load import run_server_bench
+
+        if not args.model_dir:
+            raise ValueError("--server needs --model-dir (the checkpoint it serves)")
+        vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
+        layout = sid_layout_at_end(vocab, level_sizes)
+        spec = RequestSpec(args.requests, args.prompt_len, args.shared_prefix, args.n)
+
+        def prompts(run: int) -> list[list[int]]:
+            reqs = synthetic_requests(spec, layout, seed=0, body_seed=500 + run)
+            return [list(r.prompt_ids) for r in reqs]
+
+        rates = [float(x) for x in args.rates.split(",")]
+        result = run_server_bench(
+            args.server, prompts, args.n, rates, args.concurrency, args.api_key
+        )
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
 
 

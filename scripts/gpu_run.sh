@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e (Engine.generate + flashrec serve under load), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -64,6 +64,21 @@ for what in "${@:-tests}"; do
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
       timeout "$guard" python3 scripts/bench_attention.py "$out"
       timeout "$guard" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
+    e2e)  # what users run: Engine.generate on a checkpoint dir, then flashrec serve under load
+      ck=/tmp/bench-ckpt
+      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      timeout "$guard" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
+      timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
+      flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
+        > "$out/serve.log" 2>&1 &
+      srv=$!
+      for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
+      timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
+        --concurrency 160 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
+      timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
+        --concurrency 32 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
+      curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue)" ; kill -TERM $srv; wait $srv
+      echo "serve exit $?"; tail -5 "$out/serve.log" ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

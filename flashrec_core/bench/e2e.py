@@ -1,0 +1,156 @@
+"""End-to-end benchmarks of what users run: `Engine.generate` on a checkpoint directory, and the
+unloaded single-request latency, on the same workload as the synthetic bench.
+
+`write_bench_checkpoint` turns a bench preset into a real HF checkpoint directory (random bf16
+weights by transformers, a tokenizer whose last tokens are the SID codebooks, a catalog file), so
+the engine loads it like any user's model. Timing: each measured call returns host results (the
+engine synchronizes when it copies a wave's beams back), so the wall clock around it is the
+latency a caller sees, host work included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashrec_core.bench.roofline import measure_peaks, wave_cost
+from flashrec_core.bench.workload import RequestSpec, random_catalog, synthetic_requests
+from flashrec_core.engine.requests import GenerationRequest
+
+
+def write_bench_checkpoint(
+    shape: dict[str, Any], level_sizes: tuple[int, ...], catalog_size: int, out: Path, seed: int = 0
+) -> Path:
+    """config.json + model.safetensors (bf16, random) + tokenizer + catalog.json under `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(shape)
+    model_type = cfg.pop("model_type")
+    arch = cfg.pop("architectures")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config.architectures = arch
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    _bench_tokenizer(config.vocab_size, level_sizes).save_pretrained(out)
+    codes = random_catalog(level_sizes, catalog_size, seed)
+    catalog = {",".join(map(str, row)): f"item-{i}" for i, row in enumerate(codes.tolist())}
+    (out / "catalog.json").write_text(json.dumps(catalog))
+    return out
+
+
+def _bench_tokenizer(vocab_size: int, level_sizes: tuple[int, ...]) -> Any:
+    """Word-level tokens t0.. for ordinary ids, then the SID codebooks and <|sid_begin|> /
+    <|sid_end|> as the last ids (the layout `sid_layout_at_end` describes)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from flashrec_core.testing.checkpoint import sid_token
+
+    words = vocab_size - sum(level_sizes) - 2
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(words)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    sids = [sid_token(lv, c) for lv, size in enumerate(level_sizes) for c in range(size)]
+    tok.add_tokens([AddedToken(t, normalized=False) for t in sids])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|sid_begin|>", "<|sid_end|>")]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def bench_engine(
+    model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
+    level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
+) -> dict[str, Any]:  # fmt: skip
+    """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
+    shapes, same shared prefix), and the latency of one request alone."""
+    from flashrec_core.config import EngineConfig, SearchConfig
+    from flashrec_core.engine.engine import Engine
+    from flashrec_core.engine.scheduler import plan_waves
+
+    cfg = EngineConfig(model_path=str(model_dir), show_progress=False)
+    engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
+    layout = engine.layout
+    spec = RequestSpec(num_requests, prompt_len, shared_prefix, n)
+    for i in range(2):  # warm-up: JIT, graph captures of every wave shape, allocator growth
+        engine.generate(synthetic_requests(spec, layout, seed, body_seed=seed + 1 + i))
+    requests = synthetic_requests(spec, layout, seed, body_seed=seed + 100)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    results = engine.generate(requests)
+    seconds = time.perf_counter() - start
+    latencies = [1e3 * sum((r.timings.queue_s, r.timings.prefill_s, r.timings.decode_s))
+                 for r in results if r.timings is not None]  # fmt: skip
+    single = _single_latencies(engine, RequestSpec(1, prompt_len, shared_prefix, n), seed,
+                               single_runs)  # fmt: skip
+    runner = engine.runner
+    ecfg = runner.loaded.engine_config
+    waves = plan_waves(requests, depth=len(level_sizes), max_rows=ecfg.max_wave_rows,
+                       max_requests=ecfg.max_requests, kv_slots=runner.allocator.num_slots - 1)  # fmt: skip
+    floor = (
+        _floor_seconds(engine, [[requests[i] for i in w] for w in waves], level_sizes)
+        if cuda
+        else float("nan")
+    )
+    graphs = engine.wave.graphs
+    return {
+        "path": "Engine.generate",
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "n": n,
+        "requests": num_requests,
+        "requests_per_s": num_requests / seconds,
+        "percent_of_roofline": 100 * floor / seconds,
+        "roofline_requests_per_s": num_requests / floor,
+        "latency_p50_ms": float(np.percentile(latencies, 50)),
+        "latency_p99_ms": float(np.percentile(latencies, 99)),
+        "single_request_p50_ms": float(np.percentile(single, 50)),
+        "single_request_p99_ms": float(np.percentile(single, 99)),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "invalid_results": engine.loop.stats().invalid_results,
+        "short_results": sum(len(r.choices) < n for r in results),
+        "graph_replays": graphs.stats.replays if graphs else 0,
+        "eager_steps": graphs.stats.eager_steps if graphs else None,
+        "kv_cache_dtype": ecfg.kv_cache_dtype,
+        "quantization": ecfg.quantization,
+    }
+
+
+def _single_latencies(engine: Any, spec: RequestSpec, seed: int, runs: int) -> list[float]:
+    out = []
+    for i in range(runs + 2):
+        [req] = synthetic_requests(spec, engine.layout, seed, body_seed=seed + 1000 + i)
+        start = time.perf_counter()
+        engine.generate([req])
+        if i >= 2:  # the first two warm the single-request graph shapes
+            out.append(1e3 * (time.perf_counter() - start))
+    return out
+
+
+def _floor_seconds(
+    engine: Any, waves: list[list[GenerationRequest]], level_sizes: tuple[int, ...]
+) -> float:
+    """The roofline floor of the same waves, as the synthetic bench computes it."""
+    runner = engine.runner
+    fp8 = runner.loaded.engine_config.quantization == "fp8"
+    peaks = measure_peaks(fp8, runner.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes -= runner.lm_head().numel() * runner.lm_head().element_size()
+    kv_bytes = runner.kv_pool.dtype.itemsize
+    cascade = runner.loaded.engine_config.cascade_attention
+    return sum(
+        wave_cost(runner.config, peaks, [len(r.prompt_ids) for r in w], [r.n for r in w],
+                  level_sizes, weight_bytes, kv_bytes, cascade).floor_seconds
+        for w in waves
+    )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Load generator for a running `flashrec serve`: open-loop Poisson arrivals at given rates, a
+closed-loop saturation run, and unloaded single-request latency.
+
+Open loop: each request is sent at its arrival time whether or not earlier ones have finished
+(as real traffic arrives), so queueing shows in the latency instead of slowing the sender down.
+Requests go to /v1/completions with token-id prompts (the synthetic bench's prompts), so the
+server tokenizes nothing; latencies are client wall-clock (HTTP, JSON and queueing included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+def completion_bodies(prompts: Sequence[Sequence[int]], n: int) -> list[dict[str, Any]]:
+    return [{"prompt": list(p), "n": n, "max_tokens": 3} for p in prompts]
+
+
+async def _post(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, int]:
+    start = time.perf_counter()
+    r = await client.post("/v1/completions", json=body)
+    if r.status_code == 200:
+        r.json()  # a client reads the answer
+    return time.perf_counter() - start, r.status_code
+
+
+def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
+
+
+def _summary(latencies: list[float], codes: list[int], seconds: float) -> dict[str, Any]:
+    ok = [lat for lat, c in zip(latencies, codes) if c == 200]
+    return {
+        "sent": len(codes),
+        "errors": sum(c != 200 for c in codes),
+        "throughput_rps": len(ok) / seconds if seconds > 0 else 0.0,
+        "latency_p50_ms": 1e3 * float(np.percentile(ok, 50)) if ok else None,
+        "latency_p99_ms": 1e3 * float(np.percentile(ok, 99)) if ok else None,
+    }
+
+
+async def open_loop(
+    url: str, bodies: Sequence[dict[str, Any]], rate: float, api_key: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Send `bodies` at Poisson arrivals of `rate` requests/s."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(bodies))
+    async with _client(url, api_key, connections=len(bodies)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for body, at in zip(bodies, np.cumsum(gaps)):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_post(client, body)))
+        done = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - start
+    out = _summary([d[0] for d in done], [d[1] for d in done], seconds)
+    return {"offered_rps": rate, **out}
+
+
+async def closed_loop(
+    url: str, bodies: Sequence[dict[str, Any]], concurrency: int, api_key: str | None = None
+) -> dict[str, Any]:
+    """`concurrency` requests always in flight: the server's saturated throughput."""
+    queue = list(bodies)
+    latencies: list[float] = []
+    codes: list[int] = []
+    async with _client(url, api_key, connections=concurrency) as client:
+
+        async def worker() -> None:
+            while queue:
+                lat, code = await _post(client, queue.pop())
+                latencies.append(lat)
+                codes.append(code)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return {"concurrency": concurrency, **_summary(latencies, codes, seconds)}
+
+
+async def unloaded(
+    url: str, bodies: Sequence[dict[str, Any]], api_key: str | None = None
+) -> dict[str, Any]:
+    """One request at a time (the first two warm up and are not counted)."""
+    latencies, codes = [], []
+    async with _client(url, api_key, connections=1) as client:
+        for i, body in enumerate(bodies):
+            lat, code = await _post(client, body)
+            if i >= 2:
+                latencies.append(lat)
+                codes.append(code)
+    out = _summary(latencies, codes, sum(latencies))
+    return {"single_request_p50_ms": out["latency_p50_ms"],
+            "single_request_p99_ms": out["latency_p99_ms"], "errors": out["errors"]}  # fmt: skip
+
+
+def run_server_bench(
+    url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
+    saturation_concurrency: int, api_key: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
+    saturation throughput when a rate is <= 1.5, else requests/s). `prompts(run)` gives each run
+    fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache."""
+    result: dict[str, Any] = {"path": "server", "n": n}
+    result.update(asyncio.run(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key)))
+    sat = asyncio.run(
+        closed_loop(url, completion_bodies(prompts(1), n), saturation_concurrency, api_key)
+    )
+    result["saturation"] = sat
+    result["open_loop"] = []
+    for i, rate in enumerate(rates):
+        rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
+        bodies = completion_bodies(prompts(2 + i), n)
+        run = asyncio.run(open_loop(url, bodies, rps, api_key, seed=i))
+        result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
+    return result

@@ -49,6 +49,9 @@ for what in "${@:-tests}"; do
     triton)  # explicitly through the Triton beam kernel (the default where it applies), both widths
       bench -n 50 --requests 400 --beam-attention triton --no-hf-baseline --out "$out/bench_n50_triton.json" 2>&1 | tail -16
       bench -n 512 --requests 64 --beam-attention triton --no-hf-baseline --out "$out/bench_n512_triton.json" 2>&1 | tail -16 ;;
+    synthetic)  # the synthetic wave path at both widths, no HF baseline (side by side with e2e)
+      bench -n 50 --requests 400 --no-hf-baseline --out "$out/bench_n50.json" 2>&1 | tail -20
+      bench -n 512 --requests 64 --no-hf-baseline --out "$out/bench_n512.json" 2>&1 | tail -20 ;;
     bench512)
       bench -n 512 --requests 64 --hf-requests 2 --hf-batch 1 --out "$out/bench_n512.json" 2>&1 | tail -25 ;;
     bench)

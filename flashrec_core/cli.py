@@ -137,6 +137,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
+    p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
     add_beam_attention_args(p)
@@ -196,6 +197,7 @@ _ENGINE_FLAGS = {
     "quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype",
     "attention_backend": "attention_backend", "kv_cache_tokens": "kv_cache_tokens",
     "mem_fraction": "mem_fraction", "max_context": "max_context", "max_wave_rows": "max_wave_rows",
+    "max_requests": "max_requests",
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
 }  # fmt: skip

@@ -29,6 +29,7 @@ from flashrec_core.search.beam import (
     expand_beams,
     gumbel_noise,
 )
+from flashrec_core.search.filters import CatalogIndex, FilterMasks
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout
 from flashrec_core.search.trie import Trie
@@ -69,6 +70,7 @@ class WaveState:
     prompts: torch.Tensor | None = None  # every request's prompt slots back to back (device)
     device_slots: torch.Tensor | None = None  # decode_slots on the device
     noise: _NoiseSource | None = None
+    masks: FilterMasks | None = None  # per-request item filters, when any request has one
 
 
 class BeamWave:
@@ -80,12 +82,19 @@ class BeamWave:
     """
 
     def __init__(
-        self, runner: ModelRunner, head: RestrictedLMHead, trie: Trie, layout: SidLayout
+        self,
+        runner: ModelRunner,
+        head: RestrictedLMHead,
+        trie: Trie,
+        layout: SidLayout,
+        catalog_index: CatalogIndex | None = None,
     ) -> None:
         self.runner = runner
         self.head = head
         self.trie = trie
         self.sid = layout
+        self.catalog_index = catalog_index
+        """Item -> SID rows and trie ancestors, for per-request filters (None: no catalog)."""
         ecfg = runner.loaded.engine_config
         self.trie_kernel = (
             runner.device.type == "cuda" and ecfg.enable_fused_trie_topk and triton_usable(ecfg)[0]
@@ -215,11 +224,19 @@ class BeamWave:
         state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
         state.prompts = torch.cat([self.runner.request_table.get(t) for t in state.table_rows])
         state.noise = _NoiseSource(state.requests, self.runner.device)
+        if state.masks is not None:
+            kept = [i for i, k in enumerate(keep) if k]
+            state.masks = state.masks.select(torch.tensor(kept, device=self.runner.device))
 
     def _prefill(self, state: WaveState) -> None:
         device, requests = self.runner.device, state.requests
         prompts = [list(r.prompt_ids) for r in requests]
         state.noise = _NoiseSource(requests, device)
+        if self.catalog_index is not None:
+            filters = [r.item_filter for r in requests]
+            state.masks = FilterMasks.create(filters, self.catalog_index, self.trie, device)
+        elif any(r.item_filter is not None for r in requests):
+            raise ValueError("item filters need a catalog (--catalog)")
         first = BeamLayout.create([1] * len(requests), device)
         state.layout = BeamLayout.create([r.n for r in requests], device)
         slots = [self.runner.request_table.get(row) for row in state.table_rows]
@@ -228,7 +245,9 @@ class BeamWave:
         hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
         zeros = torch.zeros(len(requests), device=device)
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
-        state.sel = self._select(hidden, 0, zeros, nodes, first, state.layout, state.noise)
+        state.sel = self._select(
+            hidden, 0, zeros, nodes, first, state.layout, state.noise, state.masks
+        )
         state.codes = state.sel.code[:, None]
         state.path_scores = state.sel.score[:, None]
         state.device_slots = state.decode_slots.to(device)
@@ -242,7 +261,7 @@ class BeamWave:
         assert state.sel is not None and 0 < state.level < self.depth, "a wave in flight"
         level, real = state.level, state.layout
         widths = [r.n for r in state.requests]
-        padded = self._padded_requests(widths, state.noise.sampling)
+        padded = self._padded_requests(widths, state.noise.sampling, state.masks is not None)
         num_pad = (padded - len(widths)) if padded is not None else 0
         beams = (
             BeamLayout.create(widths + [widths[0]] * num_pad, self.runner.device)
@@ -267,7 +286,9 @@ class BeamWave:
             if self.graphs is not None:
                 self.graphs.count_eager(1)
             hidden = self.runner.forward(step)
-            sel = self._select(hidden, level, sel.score, sel.node, beams, beams, state.noise)
+            sel = self._select(
+                hidden, level, sel.score, sel.node, beams, beams, state.noise, state.masks
+            )
         rows = real.num_rows  # real rows come first and never pick a pad row as parent
         parent = sel.parent[:rows]
         state.history = torch.cat([history, own[:, None]], dim=1)[parent]
@@ -277,7 +298,11 @@ class BeamWave:
         state.level += 1
         self._mark(f"decode{level}")
 
-    def _padded_requests(self, widths: list[int], sampling: bool) -> int | None:
+    def _padded_requests(self, widths: list[int], sampling: bool, filtered: bool) -> int | None:
+        if filtered:  # filter masks hold one row per real request: no pad requests
+            if self.graphs is not None:
+                self.graphs.run_eagerly("per-request item filters")
+            return None
         if self.graphs is not None:
             return self.graphs.padded_requests(widths, sampling)
         if self.eager_padding is not None and not sampling:
@@ -299,8 +324,11 @@ class BeamWave:
         parents: BeamLayout,
         out: BeamLayout,
         noise: _NoiseSource,
+        masks: FilterMasks | None = None,
     ) -> Selection:
         log_probs = self.head.log_probs(hidden, level)
+        if masks is not None:
+            log_probs = masks.apply(self.trie, level, nodes, parents.row_request, log_probs)
         return expand_beams(
             self.trie, level, nodes, parent_score.float(), log_probs, parents, out,
             noise.draw(parents, self.trie.max_children(level)), use_kernel=self.trie_kernel,

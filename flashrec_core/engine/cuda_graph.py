@@ -121,6 +121,10 @@ class DecodeGraphs:
         padded, self._eager_reason = graph_padding(widths, sampling, self.max_rows)
         return padded
 
+    def run_eagerly(self, reason: str) -> None:
+        """Decide a wave runs eagerly for `reason` (counted per step by `count_eager`)."""
+        self._eager_reason = reason
+
     def count_eager(self, steps: int) -> None:
         reason = self._eager_reason
         self.stats.eager_steps += steps

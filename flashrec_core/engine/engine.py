@@ -20,6 +20,7 @@ from flashrec_core.engine.requests import GenerationRequest, GenerationResult, R
 from flashrec_core.registry import Registry, load_hf_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
+from flashrec_core.search.filters import CatalogIndex, FilterError, ItemFilter
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout, infer_sid_layout
 from flashrec_core.search.trie import Trie, build_trie
@@ -49,7 +50,9 @@ class Engine:
         head = RestrictedLMHead(
             runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization
         )
-        self.wave = BeamWave(runner, head, self.trie, layout)
+        self.catalog_index = CatalogIndex(catalog) if catalog is not None else None
+        """Item id -> SID rows and trie ancestors, for per-request item filters."""
+        self.wave = BeamWave(runner, head, self.trie, layout, self.catalog_index)
         self.decoder = ResultDecoder(layout, catalog, search.length_penalty)
         ecfg = runner.loaded.engine_config
         limits = Limits(
@@ -131,9 +134,23 @@ class Engine:
         n: int = 10,
         temperature: float = 0.0,
         seed: int | None = None,
+        exclude_items: Sequence[str] = (),
+        allow_items: Sequence[str] | None = None,
     ) -> GenerationRequest:
         ids = self.encode_prompt(prompt, messages)
-        return GenerationRequest(tuple(ids), n, temperature, seed)
+        item_filter = self.create_filter(exclude_items, allow_items)
+        return GenerationRequest(tuple(ids), n, temperature, seed, item_filter)
+
+    def create_filter(
+        self, exclude_items: Sequence[str] = (), allow_items: Sequence[str] | None = None
+    ) -> ItemFilter | None:
+        """A request's item filter (None when it filters nothing); FilterError when it names
+        nothing in the catalog or the engine has no catalog."""
+        if not exclude_items and allow_items is None:
+            return None
+        if self.catalog_index is None:
+            raise FilterError("item filters need a catalog (--catalog)", "exclude_items")
+        return self.catalog_index.create_filter(exclude_items, allow_items)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run beam search for every request through the engine loop (requests of one n share

@@ -16,6 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from flashrec_core.search.catalog import Catalog
+    from flashrec_core.search.filters import ItemFilter
     from flashrec_core.search.sid_layout import SidLayout
 
 
@@ -27,6 +28,8 @@ class GenerationRequest:
     n: int
     temperature: float = 0.0
     seed: int | None = None
+    item_filter: ItemFilter | None = None
+    """Which catalog items this request may return (applied inside the search)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -94,6 +97,16 @@ class GenerationResult:
     cached_tokens: int = 0
     notes: list[str] = field(default_factory=list)
     timings: RequestTimings | None = None
+    item_filter: ItemFilter | None = None
+
+    def items_of(self, node: int) -> tuple[str, ...]:
+        """The catalog items of a returned SID that this request's filter keeps."""
+        catalog = self.decoder.catalog
+        if catalog is None:
+            return ()
+        items = catalog.items[node]
+        keep = self.item_filter
+        return items if keep is None else tuple(i for i in items if keep.keeps(i))
 
     @property
     def completion_tokens(self) -> int:
@@ -109,7 +122,7 @@ class GenerationResult:
         for i, (codes, toks, lp, node) in enumerate(
             zip(self.codes.tolist(), tokens.tolist(), self.logprobs.tolist(), self.nodes.tolist())
         ):
-            items = dec.catalog.items[node] if dec.catalog is not None else ()
+            items = self.items_of(node)
             text = dec.layout.format(codes)
             out.append(Choice(i, tuple(codes), tuple(toks), text, items, lp, lp / divisor))
         return out

@@ -63,6 +63,7 @@ def assemble_results(
                 level_logprobs=levels[rows],
                 cached_tokens=cached,
                 notes=notes,
+                item_filter=req.item_filter,
             )  # fmt: skip
         )
     return WaveResults(results, invalid)

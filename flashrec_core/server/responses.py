@@ -26,7 +26,6 @@ def choice_extensions(result: GenerationResult) -> list[dict[str, Any]]:
     dec = result.decoder
     depth = result.codes.shape[1]
     divisor = depth**dec.length_penalty
-    items = dec.catalog.items if dec.catalog is not None else None
     levels = result.level_logprobs.tolist() if result.level_logprobs is not None else None
     out = []
     for rank, (codes, lp, node) in enumerate(
@@ -35,7 +34,7 @@ def choice_extensions(result: GenerationResult) -> list[dict[str, Any]]:
         out.append({
             "rank": rank,
             "codes": codes,
-            "items": list(items[node]) if items is not None else [],
+            "items": list(result.items_of(node)),
             "logprob": lp,
             "score": lp / divisor,
             "level_logprobs": levels[rank] if levels is not None else [],

@@ -1,0 +1,136 @@
+"""Per-request item filters inside the search, against brute force: the engine's filtered beam
+search equals transformers' beam search over the filtered catalog (same SIDs, same order, ties
+aside), and with n >= the filtered catalog it returns every allowed SID, ranked as exhaustive
+teacher-forced scoring ranks them. Excluded items never come back."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.engine import Engine
+from flashrec_core.registry import Registry
+from flashrec_core.search.filters import FilterError
+from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+from flashrec_core.testing.hf_beam import (
+    assert_same_ranking,
+    hf_beam_search,
+    teacher_forced_logprob,
+)
+
+LEVELS = (16, 16, 16)
+ATOL = 1e-4  # fp32 engine vs fp32 transformers over 3 levels (see beam_conformance)
+PROMPTS = ("user history w1 w7 w3 item w9", "w12 w40 next", "w3 w3 w5")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("filters")
+    spec = Registry.discover().resolve("Qwen3ForCausalLM")
+    hf = write_tiny_checkpoint(path, spec.examples[0].hf_config, level_sizes=LEVELS, seed=4)
+    rng = random.Random(9)
+    codes = sorted({tuple(rng.randrange(k) for k in LEVELS) for _ in range(260)})
+    # every 7th SID is shared by two items
+    catalog = {",".join(map(str, c)): [f"i{j}", f"j{j}"] if j % 7 == 0 else f"i{j}"
+               for j, c in enumerate(codes)}  # fmt: skip
+    (path / "catalog.json").write_text(json.dumps(catalog))
+    engines = {
+        norm: Engine.from_config(
+            EngineConfig(
+                model_path=str(path), device="cpu", kv_cache_tokens=1 << 14, show_progress=False
+            ),
+            SearchConfig(catalog_path=str(path / "catalog.json"), sid_normalization=norm),
+        )  # fmt: skip
+        for norm in ("level", "sid")
+    }
+    return engines, hf
+
+
+def _allowed_codes(engine: Engine, request) -> np.ndarray:
+    return engine.catalog.codes[request.item_filter.sid_mask]
+
+
+def _random_filter(engine: Engine, rng: random.Random) -> dict:
+    items = [i for group in engine.catalog.items for i in group]
+    kind = rng.choice(["exclude", "allow", "both"])
+    out: dict = {}
+    if kind in ("exclude", "both"):
+        out["exclude_items"] = rng.sample(items, rng.randint(1, len(items) // 2))
+    if kind in ("allow", "both"):
+        out["allow_items"] = rng.sample(items, rng.randint(3, len(items) // 2))
+    return out
+
+
+@pytest.mark.parametrize("normalization", ["level", "sid"])
+@pytest.mark.parametrize("trial", range(6))
+def test_filtered_search_equals_beam_search_over_the_filtered_catalog(
+    setup, normalization: str, trial: int
+) -> None:
+    engines, hf = setup
+    engine = engines[normalization]
+    rng = random.Random(100 + trial)
+    requests = []
+    for p in PROMPTS:
+        try:
+            requests.append(engine.make_request(prompt=p, n=rng.choice([2, 5, 12]),
+                                                **_random_filter(engine, rng)))  # fmt: skip
+        except FilterError:  # an allow-list wholly excluded: nothing to search
+            continue
+    requests.append(engine.make_request(prompt=PROMPTS[0], n=6))  # unfiltered, same wave
+    for req, res in zip(requests, engine.generate(requests)):
+        allowed = _allowed_codes(engine, req) if req.item_filter else engine.catalog.codes
+        ref = hf_beam_search(hf, req.prompt_ids, req.n, engine.layout, allowed, normalization)
+        assert_same_ranking([(c.codes, c.logprob) for c in res.choices], ref, ATOL)
+        if req.item_filter is not None:
+            f = req.item_filter
+            assert all(f.keeps(i) for c in res.choices for i in c.items)
+            assert all(c.items for c in res.choices), "every returned SID keeps an allowed item"
+
+
+def test_n_over_the_filtered_catalog_returns_every_allowed_sid_exactly(setup) -> None:
+    engines, hf = setup
+    engine = engines["level"]
+    allow = [f"i{j}" for j in (3, 14, 15, 92, 150, 151, 200, 7)] + ["j7", "missing-item"]
+    req = engine.make_request(prompt=PROMPTS[1], n=16, allow_items=allow, exclude_items=["i7"])
+    [res] = engine.generate([req])
+    allowed = _allowed_codes(engine, req)
+    assert len(allowed) == 8, "i7 is excluded but its SID stays: it also names the allowed j7"
+    expected = sorted(((tuple(c), teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c))
+                       for c in allowed.tolist()), key=lambda x: -x[1])  # fmt: skip
+    assert_same_ranking([(c.codes, c.logprob) for c in res.choices], expected, ATOL)
+    shared = next(c for c in res.choices if "j7" in c.items)
+    assert shared.items == ("j7",), "only the allowed item of a shared SID comes back"
+    assert res.notes and "only 8 valid items" in res.notes[0]
+
+
+def test_excluded_items_never_come_back_fuzz(setup) -> None:
+    engines, _ = setup
+    engine = engines["level"]
+    rng = random.Random(3)
+    items = [i for group in engine.catalog.items for i in group]
+    returned = 0
+    for start in range(0, 400, 100):
+        reqs = []
+        for _ in range(100):
+            exclude = rng.sample(items, 120)
+            reqs.append(engine.make_request(prompt=rng.choice(PROMPTS), n=8, exclude_items=exclude))
+        for req, res in zip(reqs, engine.generate(reqs)):
+            assert len(res.choices) == 8, "the filtered catalog holds far more than n"
+            for c in res.choices:
+                assert c.items and not set(c.items) & req.item_filter.excluded
+                returned += 1
+    assert returned == 3200
+
+
+def test_filters_that_name_nothing_are_errors(setup) -> None:
+    engine = setup[0]["level"]
+    with pytest.raises(FilterError, match="no item of allow_items") as info:
+        engine.make_request(prompt="w1", n=2, allow_items=["nope"])
+    assert info.value.param == "allow_items"
+    with pytest.raises(FilterError):
+        engine.make_request(prompt="w1", n=2, allow_items=["i3"], exclude_items=["i3"])

@@ -50,6 +50,15 @@ class _SearchFields(_Strict):
     timeout: FiniteFloat | None = Field(
         default=None, gt=0.0, description="FlashRec: seconds before the request fails with 504"
     )
+    exclude_items: list[str] = Field(
+        default_factory=list, max_length=1_000_000,
+        description="FlashRec: catalog item ids never to return (seen, bought); applied inside "
+        "the search, so n other items still come back",
+    )  # fmt: skip
+    allow_items: list[str] | None = Field(
+        default=None, max_length=1_000_000,
+        description="FlashRec: return only these catalog item ids (an allow-list)",
+    )  # fmt: skip
     # OpenAI fields accepted for client compatibility; they do not change beam search.
     top_p: FiniteFloat | None = Field(default=None, ge=0.0, le=1.0)
     stop: str | list[str] | None = None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.loop import RequestRejectedError
 from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.search.filters import FilterError
 from flashrec_core.server.errors import APIError
 from flashrec_core.server.protocol import (
     ChatCompletionRequest,
@@ -105,7 +106,11 @@ def _request(
             "n",
         )
     try:
-        req = GenerationRequest(tuple(ids), n, body.temperature, body.seed)
+        item_filter = engine.create_filter(body.exclude_items, body.allow_items)
+    except FilterError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    try:
+        req = GenerationRequest(tuple(ids), n, body.temperature, body.seed, item_filter)
         engine.loop.check(req)
     except RequestRejectedError as exc:
         param = prompt_param if exc.param == "messages" else exc.param

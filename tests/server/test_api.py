@@ -233,3 +233,26 @@ def assert_idle(server: ServerProcess, within_s: float = 10.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"not idle after {within_s} s: {idle}")
         time.sleep(0.05)
+
+
+def test_item_filters_through_the_api(server: ServerProcess, engine: Engine) -> None:
+    c = client(server)
+    plain = c.chat.completions.create(
+        model=model_name(server), messages=[{"role": "user", "content": PROMPT}], n=6
+    )
+    top = [x.model_extra["flashrec"]["items"][0] for x in plain.choices[:3]]
+    filtered = c.chat.completions.create(
+        model=model_name(server), messages=[{"role": "user", "content": PROMPT}], n=6,
+        extra_body={"exclude_items": top},
+    )  # fmt: skip
+    got = [i for x in filtered.choices for i in x.model_extra["flashrec"]["items"]]
+    assert len(filtered.choices) == 6 and not set(got) & set(top)
+    allow = [f"item-{i:06d}" for i in range(0, 1500, 300)]
+    only = c.completions.create(
+        model=model_name(server), prompt=PROMPT, n=10, extra_body={"allow_items": allow}
+    )
+    assert {x.model_extra["flashrec"]["items"][0] for x in only.choices} == set(allow)
+    assert only.model_extra["flashrec"]["notes"], "fewer allowed items than n: a note says so"
+    r = _post(server, "/v1/chat/completions", _chat(allow_items=["no-such-item"]),
+              {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allow_items"

@@ -67,20 +67,24 @@ for what in "${@:-tests}"; do
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
       timeout "$guard" python3 scripts/bench_attention.py "$out"
       timeout "$guard" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
-    e2e)  # what users run: Engine.generate on a checkpoint dir, then flashrec serve under load
+    e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ck=/tmp/bench-ckpt
       [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
-      timeout "$guard" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
-      timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
+      if [[ $what != e2e-server ]]; then
+        timeout "$guard" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
+        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
+      fi
+      [[ $what == e2e-engine ]] && continue
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
         > "$out/serve.log" 2>&1 &
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
+      echo "ready after warm-up: $(grep -c captured "$out/serve.log") captures"
       timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
         --concurrency 160 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
       timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
         --concurrency 32 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
-      curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue)" ; kill -TERM $srv; wait $srv
+      curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
       echo "serve exit $?"; tail -5 "$out/serve.log" ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;

@@ -11,5 +11,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 -d .whl \
   flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic-settings==2.16.3 python-dotenv==1.2.4
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
+  opentelemetry-api==1.45.2
 ls .whl

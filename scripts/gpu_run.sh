@@ -75,7 +75,7 @@ for what in "${@:-tests}"; do
         timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
       fi
       [[ $what == e2e-engine ]] && continue
-      flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
+      flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
         > "$out/serve.log" 2>&1 &
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done

@@ -81,9 +81,9 @@ for what in "${@:-tests}"; do
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
       echo "ready after warm-up: $(grep -c captured "$out/serve.log") captures"
       timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
-        --concurrency 160 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
+        --concurrency 400 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
       timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
-        --concurrency 32 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
+        --concurrency 64 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
       curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
       echo "serve exit $?"; tail -5 "$out/serve.log" ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)

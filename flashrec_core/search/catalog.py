@@ -49,6 +49,12 @@ class Catalog:
             lo, hi = lo + col.searchsorted(code, "left"), lo + col.searchsorted(code, "right")
         return int(lo) if lo < hi else -1
 
+    def label(self, item: str) -> str:
+        """An item id with its title and category when the metadata has them."""
+        attrs = self.metadata.get(item, {})
+        named = [str(attrs[k]) for k in ("title", "category") if attrs.get(k) not in (None, "")]
+        return f"{item} ({'; '.join(named)})" if named else item
+
     def lookup(self, codes: Sequence[int]) -> tuple[str, ...]:
         """Item ids of one SID; KeyError when the catalog has no such SID."""
         row = self.row_of(codes)

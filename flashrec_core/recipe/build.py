@@ -48,8 +48,9 @@ class BuildReport:
     losses: list[float]
 
 
-def build_recipe(cfg: RecipeConfig, out: str | Path) -> BuildReport:
-    """Run every stage and write the checkpoint directory `out`."""
+def build_recipe(cfg: RecipeConfig, out: str | Path, progress: bool = True) -> BuildReport:
+    """Run every stage and write the checkpoint directory `out` (progress: a tqdm bar)."""
+    _require_sklearn()
     from flashrec_core.recipe.train import build_model, train, training_examples  # torch
     from flashrec_core.search.sid_layout import infer_sid_layout
 
@@ -69,7 +70,7 @@ def build_recipe(cfg: RecipeConfig, out: str | Path) -> BuildReport:
     arch, spec = resolve_recipe_arch(cfg.arch)  # resolved above: recipe.json names it
     hf_config = recipe_hf_config(spec, arch, cfg.model, len(tokenizer), MAX_POSITION, tokenizer)
     model = build_model(hf_config, cfg.train.seed)
-    losses = train(model, examples, layout, cfg.train)
+    losses = train(model, examples, layout, cfg.train, progress)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -78,6 +79,16 @@ def build_recipe(cfg: RecipeConfig, out: str | Path) -> BuildReport:
                          sids.rule, sids.collided, losses)  # fmt: skip
     _write_recipe_json(out / RECIPE_FILE, cfg, report)
     return report
+
+
+def _require_sklearn() -> None:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            "flashrec recipe build needs scikit-learn (k-means, SVD): pip install "
+            "'flashrec-core[recipe]'"
+        ) from None
 
 
 def _embeddings(cfg: RecipeConfig, train_seqs: dict, items: list[str]) -> np.ndarray:

@@ -116,9 +116,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                          intermediate_size=args.intermediate_size),
         train=TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                          seed=args.seed, threads=args.threads, progress=not args.no_progress),
+                          seed=args.seed, threads=args.threads),
     )  # fmt: skip
-    r = build_recipe(cfg, out)
+    r = build_recipe(cfg, out, progress=not args.no_progress)
     print(
         f"wrote {r.out}: {r.items} items, {r.users} users, {r.examples} training examples, SID "
         f"levels {','.join(map(str, r.level_sizes))} ({r.collided} collisions, rule "

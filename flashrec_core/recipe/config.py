@@ -33,7 +33,6 @@ class TrainConfig(BaseModel):
     seed: int = 0
     threads: int = Field(default=1, gt=0)
     """torch threads while training; results are bit-identical only for the same count."""
-    progress: bool = True
 
 
 class RecipeConfig(BaseModel):

@@ -66,7 +66,8 @@ def load_log(fmt: LogFormat) -> InteractionLog:
     log = _sequences(rows)
     if not log:
         raise InteractionsError(f"interaction log {path} has no interactions")
-    meta = load_item_metadata(fmt.items_path, fmt.item_col, set(log)) if fmt.items_path else {}
+    items = {item for seq in log.values() for item in seq}
+    meta = load_item_metadata(fmt.items_path, fmt.item_col, items) if fmt.items_path else {}
     return InteractionLog(sequences=_ordered(log), metadata=meta)
 
 

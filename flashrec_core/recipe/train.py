@@ -37,7 +37,11 @@ def build_model(hf_config: dict, seed: int) -> torch.nn.Module:
 
 
 def train(
-    model: torch.nn.Module, examples: Sequence[Example], layout: SidLayout, cfg: TrainConfig
+    model: torch.nn.Module,
+    examples: Sequence[Example],
+    layout: SidLayout,
+    cfg: TrainConfig,
+    progress: bool = True,
 ) -> list[float]:
     """AdamW with warmup + cosine decay; returns the mean loss of each epoch."""
     from tqdm import tqdm
@@ -49,7 +53,7 @@ def train(
     steps = cfg.epochs * math.ceil(len(examples) / cfg.batch_size)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, steps))
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not cfg.progress)
+    bar = tqdm(total=steps, desc="train", unit="step", disable=not progress)
     epoch_losses = []
     model.train()
     try:

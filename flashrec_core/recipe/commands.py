@@ -54,6 +54,8 @@ def _add_log_args(p: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def _add_build(b: argparse.ArgumentParser) -> None:
+    from flashrec_core.recipe.config import ModelShape
+
     _add_log_args(b, defaults=True)
     b.add_argument("--synthetic", action="store_true", help="use the built-in synthetic log")
     b.add_argument("--synthetic-users", type=int, default=2000)
@@ -68,8 +70,11 @@ def _add_build(b: argparse.ArgumentParser) -> None:
     b.add_argument("--codebook-size", type=int, default=16, help="codes per level K")
     b.add_argument("--collision", choices=["auto", "reassign", "extra-level"], default="auto")
     b.add_argument("--max-history", type=int, default=20, help="items per prompt")
-    for flag, default in (("hidden-size", 64), ("layers", 2), ("heads", 4), ("kv-heads", 2),
-                          ("head-dim", 16), ("intermediate-size", 256)):  # fmt: skip
+    shape = ModelShape()
+    for flag, default in (("hidden-size", shape.hidden_size), ("layers", shape.num_layers),
+                          ("heads", shape.num_heads), ("kv-heads", shape.num_kv_heads),
+                          ("head-dim", shape.head_dim),
+                          ("intermediate-size", shape.intermediate_size)):  # fmt: skip
         b.add_argument(f"--{flag}", type=int, default=default)
     b.add_argument("--epochs", type=int, default=8)
     b.add_argument("--batch-size", type=int, default=128)

@@ -18,7 +18,8 @@ class ModelShape(BaseModel):
     num_layers: int = Field(default=2, gt=0)
     num_heads: int = Field(default=4, gt=0)
     num_kv_heads: int = Field(default=2, gt=0)
-    head_dim: int = Field(default=16, gt=0)
+    head_dim: int = Field(default=64, gt=0)
+    """64: a head size every attention backend compiles for (FlashInfer: 64, 128, 256)."""
     intermediate_size: int = Field(default=256, gt=0)
 
 

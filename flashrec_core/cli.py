@@ -1,4 +1,4 @@
-"""`flashrec` command line: models, generate, demo, catalog convert.
+"""`flashrec` command line: models, generate, demo, catalog convert, recipe, eval.
 
 Heavy imports (torch, transformers) happen inside the commands that need them, so
 `flashrec models` stays fast and works without torch.
@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from flashrec_core.recipe.commands import add_recipe_commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,6 +103,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
+    add_recipe_commands(sub)
+
     catalog = sub.add_parser("catalog", help="catalog tools")
     csub = catalog.add_subparsers(dest="catalog_command", required=True)
     conv = csub.add_parser("convert", help="RecIF packed-integer JSON -> 'c1,c2,c3' JSON")
@@ -123,7 +127,10 @@ def add_beam_attention_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every entry point that loads a model (generate, bench, serve)."""
-    p.add_argument("--model-path", required=True, help="checkpoint directory")
+    p.add_argument(
+        "--model-path", default=None,
+        help="checkpoint directory (default: the embedded model with its catalog)",
+    )  # fmt: skip
     p.add_argument("--arch", default=None, help="override config.json's architectures")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
@@ -304,11 +311,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from flashrec_core.embedded import with_default_model
     from flashrec_core.engine.engine import Engine
 
     if args.output and not args.input:
         raise ValueError("--output goes with --input (a JSONL batch)")
     messages = _read_messages(args.messages_json) if args.messages_json else None
+    args = with_default_model(args)
     engine = Engine.from_config(engine_config_from_args(args), search_config_from_args(args))
     if args.input:
         return _generate_batch(engine, args)
@@ -317,11 +326,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens} is shorter than the SID depth {depth}")
     req = engine.make_request(args.prompt, messages, args.n, args.temperature, args.seed)
     [result] = engine.generate([req])
+    catalog = engine.catalog
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        out = result.as_dict()
+        for choice in out["choices"] if catalog is not None and catalog.metadata else ():
+            choice["item_metadata"] = [catalog.metadata.get(i, {}) for i in choice["items"]]
+        print(json.dumps(out, indent=2))
         return 0
     for c in result.choices:
-        items = ", ".join(c.items) if c.items else "-"
+        items = ", ".join(map(catalog.label, c.items)) if catalog and c.items else "-"
         print(f"{c.index + 1:>4}. {c.text}  items: {items}  logprob {c.logprob:.4f}")
     for note in result.notes:
         print(f"note: {note}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -18,12 +19,14 @@ class Catalog:
     """Unique SIDs sorted lexicographically, and the item ids each one names.
 
     Row `i` of `codes` is the SID whose items are `items[i]`; the trie's last level uses the
-    same row index, so a finished beam maps to its items without a search.
+    same row index, so a finished beam maps to its items without a search. `metadata` maps an
+    item id to its attributes ({"title": ..., "category": ...}); items without any are absent.
     """
 
     codes: np.ndarray  # int64 [num_sids, depth]
     items: tuple[tuple[str, ...], ...]
     level_sizes: tuple[int, ...]
+    metadata: Mapping[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def depth(self) -> int:
@@ -46,6 +49,12 @@ class Catalog:
             lo, hi = lo + col.searchsorted(code, "left"), lo + col.searchsorted(code, "right")
         return int(lo) if lo < hi else -1
 
+    def label(self, item: str) -> str:
+        """An item id with its title and category when the metadata has them."""
+        attrs = self.metadata.get(item, {})
+        named = [str(attrs[k]) for k in ("title", "category") if attrs.get(k) not in (None, "")]
+        return f"{item} ({'; '.join(named)})" if named else item
+
     def lookup(self, codes: Sequence[int]) -> tuple[str, ...]:
         """Item ids of one SID; KeyError when the catalog has no such SID."""
         row = self.row_of(codes)
@@ -62,10 +71,11 @@ def build_catalog(
     source: str = "<memory>",
     label: Callable[[int], str] = lambda i: f"entry {i}",
     merge: bool = True,
+    metadata: Mapping[str, dict[str, Any]] | None = None,
 ) -> Catalog:
     """Validate and sort entries `codes[i] -> items[i]`; entries sharing a SID are merged, or
     rejected when `merge` is False (formats whose keys must be unique). `label(i)` names entry
-    i in error messages."""
+    i in error messages. `metadata` (item id -> attributes) may only name catalog items."""
     codes = np.asarray(codes, dtype=np.int64)
     _check_codes(codes, level_sizes, source, label)
     order = _lex_order(codes, level_sizes)
@@ -84,7 +94,34 @@ def build_catalog(
     if same.any():
         grouped = _merge_runs(grouped, same, unique, source)
     sizes = tuple(int(k) for k in level_sizes[: codes.shape[1]])
-    return Catalog(codes=unique, items=tuple(grouped), level_sizes=sizes)
+    meta = _check_metadata(metadata or {}, grouped, source)
+    return Catalog(codes=unique, items=tuple(grouped), level_sizes=sizes, metadata=meta)
+
+
+def _check_metadata(
+    metadata: Mapping[str, Any], grouped: Sequence[tuple[str, ...]], source: str
+) -> dict[str, dict[str, Any]]:
+    """Item attributes must be objects and name items some SID lists (a typo is an error)."""
+    if not metadata:
+        return {}
+    known = {item for group in grouped for item in group}
+    for item, attrs in metadata.items():
+        if not isinstance(attrs, dict):
+            raise CatalogError(
+                f'catalog {source}: "items" entry {item!r} is {_short_repr(attrs)}; expected an '
+                f'object of attributes such as {{"title": "...", "category": "..."}}'
+            )
+        if item not in known:
+            raise CatalogError(
+                f'catalog {source}: "items" has metadata for {item!r}, which no SID lists; '
+                f"add the item under a SID or drop its metadata"
+            )
+    return {str(item): dict(attrs) for item, attrs in metadata.items()}
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_codes(

@@ -1,5 +1,6 @@
-"""Catalog file formats: JSON ("c1,c2,c3" keys), CSV/TSV rows, and RecIF packed-integer keys
-(converted, never loaded directly). Every reader ends in `build_catalog`, the one validator."""
+"""Catalog file formats: JSON ("c1,c2,c3" keys, bare or under "sids" next to item metadata under
+"items"), CSV/TSV rows, and RecIF packed-integer keys (converted, never loaded directly). Every
+reader ends in `build_catalog`, the one validator."""
 
 from __future__ import annotations
 
@@ -78,8 +79,36 @@ def _read_json_pairs(path: Path) -> list[tuple[str, Any]]:
     return top
 
 
+def _split_metadata(
+    pairs: list[tuple[str, Any]], path: Path
+) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
+    """{"sids": {...}, "items": {...}} -> (SID pairs, item metadata); a bare SID object passes
+    through ("sids" can never be a SID key: keys are comma-separated integers)."""
+    top = dict(pairs)
+    if "sids" not in top:
+        return pairs, {}
+    extra = sorted(set(top) - {"sids", "items"})
+    sids, items = top["sids"], top.get("items", _Pairs())
+    if extra or not isinstance(sids, _Pairs) or not sids or not isinstance(items, _Pairs):
+        raise CatalogError(
+            f'catalog {path} has a "sids" key, so it must be {{"sids": {{"c1,c2,c3": item id, '
+            f'...}}, "items": {{item id: {{attribute: value}}}}}} with a non-empty "sids" object'
+            + (f"; unexpected keys {extra}" if extra else "")
+        )
+    return list(sids), {key: _plain(value) for key, value in items}
+
+
+def _plain(value: Any) -> Any:
+    """JSON values parsed with _Pairs hooks back to plain dicts."""
+    if isinstance(value, _Pairs):
+        return {k: _plain(v) for k, v in value}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _load_json(path: Path, level_sizes: Sequence[int]) -> Catalog:
-    pairs = _read_json_pairs(path)
+    pairs, metadata = _split_metadata(_read_json_pairs(path), path)
     keys = [key for key, _ in pairs]
     depths = np.fromiter(map(str.count, keys, repeat(",")), dtype=np.int64, count=len(keys)) + 1
     if len(level_sizes) > 1 and depths.max() == 1:
@@ -100,7 +129,9 @@ def _load_json(path: Path, level_sizes: Sequence[int]) -> Catalog:
 
     codes = _parse_codes(",".join(keys).split(","), int(depths[0]), 0, str(path), label)
     items = _json_items(pairs, path)
-    return build_catalog(codes, items, level_sizes, source=str(path), label=label, merge=False)
+    return build_catalog(
+        codes, items, level_sizes, source=str(path), label=label, merge=False, metadata=metadata
+    )
 
 
 def _csv_fields(text: str, delimiter: str) -> tuple[Sequence[int], list[str], np.ndarray]:

@@ -116,7 +116,8 @@ spec = BaseModelSpec(
     capabilities=(RMS_NORM_FP8, SILU_MUL_FP8, QK_NORM_ROPE_KV),
     model_class="flashrec_models_qwen3.modeling:Qwen3ForCausalLM",
     hf_config_class="transformers:Qwen3Config",
-    metadata={"bench_presets": BENCH_PRESETS},
+    # recipe_default: `flashrec recipe build` trains this architecture unless --arch says otherwise
+    metadata={"bench_presets": BENCH_PRESETS, "recipe_default": True},
     examples=(
         ExampleConfig("tied-gqa", _tiny()),
         ExampleConfig("untied-mha", _tiny(tie_word_embeddings=False, num_key_value_heads=4)),

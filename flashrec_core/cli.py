@@ -24,13 +24,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (ValueError, LookupError, FileNotFoundError, RuntimeError) as exc:
-        print(f"flashrec {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, LookupError, OSError, RuntimeError) as exc:
+        print(f"flashrec {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """A user error as one line (pydantic's multi-line report becomes flag: value: reason)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        from flashrec_core.config import describe_settings_error
+
+        return describe_settings_error(exc)
+    return " ".join(str(exc).split())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashrec-core")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"flashrec-core {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="list installed model plugins")
@@ -215,7 +236,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _read_messages(path: str) -> list[dict[str, str]]:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--messages-json {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--messages-json {path}: {exc}") from exc
     if not isinstance(data, list) or not all(

@@ -7,7 +7,7 @@ import os
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger("flashrec")
 
@@ -80,13 +80,44 @@ def resolve_engine_config(cfg: EngineConfig, checkpoint_quantized: bool) -> Engi
     kv = cfg.kv_cache_dtype
     if kv == "auto":
         kv = "fp8_e4m3" if (on_gpu and quant == "fp8") else dtype
+    backend = _resolve_attention_backend(cfg.attention_backend, device)
     resolved = cfg.model_copy(
-        update={"device": device, "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv}
-    )
+        update={
+            "device": device, "dtype": dtype, "quantization": quant, "kv_cache_dtype": kv,
+            "attention_backend": backend,
+        }
+    )  # fmt: skip
     logger.info(
-        "engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s", device, dtype, quant, kv
-    )
+        "engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s attention_backend=%s",
+        device, dtype, quant, kv, backend,
+    )  # fmt: skip
     return resolved
+
+
+def _resolve_attention_backend(name: str, device: str) -> str:
+    """ "auto" -> flashinfer on CUDA when it imports, else torch; an explicit flashinfer that
+    cannot run here is an error that says what to use instead."""
+    if name == "auto":
+        return "flashinfer" if device == "cuda" and flashinfer_available() else "torch"
+    if name == "flashinfer" and device != "cuda":
+        raise ValueError(
+            f"--attention-backend flashinfer needs a CUDA device, but this engine runs on "
+            f"{device}; use --attention-backend torch (or auto)"
+        )
+    if name == "flashinfer" and not flashinfer_available():
+        raise ValueError(
+            "--attention-backend flashinfer: the flashinfer package is not installed; "
+            "pip install 'flashrec-core[gpu]', or use --attention-backend torch (or auto)"
+        )
+    return name
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def triton_usable(cfg: EngineConfig) -> tuple[bool, str]:
@@ -110,7 +141,8 @@ class SearchConfig(BaseModel):
 
     catalog_path: str | None = None
     sid_normalization: Literal["level", "sid"] = "level"
-    length_penalty: float = 1.0
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
+    """score = logprob / depth ** length_penalty; NaN or inf would rank nothing (and print NaN)."""
     trie_kind: Literal["auto", "dense", "csr"] = "auto"
     sid_level_sizes: tuple[int, ...] | None = None
     """Explicit codebook sizes; must agree with the tokenizer's SID tokens."""
@@ -118,3 +150,12 @@ class SearchConfig(BaseModel):
     """Use the first `sid_depth` codebook levels; defaults to the catalog's depth."""
     append_sid_begin: bool = True
     """Append <|sid_begin|> to the prompt when the tokenizer has it."""
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line naming each bad setting (the CLI flag `--name-with-dashes`) and its value."""
+    parts = []
+    for err in exc.errors():
+        flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+        parts.append(f"{flag} {err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)

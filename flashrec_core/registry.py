@@ -14,7 +14,7 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from flashrec_core.spec import CONTRACT_VERSION, ModelSpec
+from flashrec_core.spec import CONTRACT_VERSION, ConfigError, ModelConfig, ModelSpec
 
 ENTRY_POINT_GROUP = "flashrec.models"
 
@@ -161,3 +161,17 @@ def load_hf_config(model_path: str | Path) -> Mapping[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_model_config(
+    model_path: str | Path, arch: str | None = None, registry: Registry | None = None
+) -> tuple[ModelSpec, ModelConfig]:
+    """The plugin serving a checkpoint and its parsed config; a bad field is an error naming
+    config.json's path (checked before anything else, e.g. a tokenizer, reads the file)."""
+    registry = registry or Registry.discover()
+    spec = registry.resolve(read_architecture(model_path, arch))
+    hf_config = load_hf_config(model_path)
+    try:
+        return spec, spec.parse_config(hf_config)
+    except ConfigError as exc:
+        raise ConfigError(f"{Path(model_path) / 'config.json'}: {exc}") from exc

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -66,9 +66,10 @@ class ModelConfig(BaseModel):
 
     The engine reads only these fields (KV pool, attention shapes, LM head); everything else a
     family needs lives in the plugin's subclass. Frozen: nothing mutates a config after parsing.
+    Strict: a JSON string such as "64" is not an int (transformers would not accept it either).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     architecture: str
     vocab_size: int
@@ -84,6 +85,25 @@ class ModelConfig(BaseModel):
     norm_eps: float
     checkpoint_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     quantization: QuantizationConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        sizes = {
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+        }  # fmt: skip
+        bad = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: every size must be >= 1; fix config.json")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_q_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads} (grouped-query attention shares each "
+                "KV head among a whole number of query heads); fix config.json"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -179,6 +199,11 @@ class BaseModelSpec:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def parse_config(self, hf_config: Mapping[str, Any]) -> ModelConfig:
+        from flashrec_core.hf_config import check_common_fields
+
+        archs = hf_config.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else self.architectures[0]
+        check_common_fields(hf_config, arch)
         try:
             return self.config_parser(hf_config)
         except ValidationError as exc:
@@ -192,9 +217,25 @@ class BaseModelSpec:
         return next((c for c in self.capabilities if c.name == name), None)
 
 
+HF_NAMES = {
+    "num_q_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "num_layers": "num_hidden_layers",
+    "max_position": "max_position_embeddings",
+}
+"""FlashRec field -> the config.json key it is read from, where the names differ (messages)."""
+
+
 def describe_validation_error(spec_name: str, exc: ValidationError, prefix: str = "") -> str:
+    """One line naming every bad field (and its config.json key) with the value found."""
     parts = []
     for err in exc.errors():
-        loc = prefix + (".".join(str(p) for p in err["loc"]) or "<root>")
-        parts.append(f"field '{loc}': {err['msg']} (got {err.get('input')!r})")
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:
+            parts.append(msg)
+            continue
+        loc = prefix + ".".join(str(p) for p in err["loc"])
+        hf = HF_NAMES.get(loc)
+        name = f"field '{loc}'" + (f" (config.json '{hf}')" if hf else "")
+        parts.append(f"{name}: {msg} (got {err.get('input')!r})")
     return f"{spec_name}: invalid config.json: " + "; ".join(parts)

@@ -11,26 +11,15 @@ BACKENDS = ("torch", "flashinfer")
 
 
 def create_attention_backend(name: str, device: torch.device, **kwargs: object) -> AttentionBackend:
-    """Build the named backend ("auto" = flashinfer on CUDA when importable, else torch)."""
-    if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
+    """Build the named backend (already resolved: `config.resolve_engine_config` turns "auto"
+    into one of BACKENDS)."""
     if name == "torch":
         return TorchAttentionBackend(device, **kwargs)
     if name == "flashinfer":
         from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(device, **kwargs)
-    raise ValueError(
-        f"unknown attention backend '{name}'; choose one of auto, {', '.join(BACKENDS)}"
-    )
-
-
-def _flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    raise ValueError(f"unknown attention backend '{name}'; choose one of {', '.join(BACKENDS)}")
 
 
 __all__ = [

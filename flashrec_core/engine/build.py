@@ -20,7 +20,7 @@ from flashrec_core.config import (
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import BuildContext
 from flashrec_core.loader import load_weights
-from flashrec_core.registry import Registry, load_hf_config, read_architecture
+from flashrec_core.registry import Registry, read_model_config
 from flashrec_core.spec import FusedPath, ModelConfig, ModelSpec
 
 logger = logging.getLogger("flashrec")
@@ -88,11 +88,8 @@ class LoadedModel:
 
 def load_model(cfg: EngineConfig, registry: Registry | None = None) -> LoadedModel:
     """Resolve the architecture's plugin, parse config.json, build the model and load weights."""
-    registry = registry or Registry.discover()
-    arch = read_architecture(cfg.model_path, cfg.arch)
-    spec = registry.resolve(arch)
-    hf_config = dict(load_hf_config(cfg.model_path))
-    model_config = spec.parse_config(hf_config)
+    spec, model_config = read_model_config(cfg.model_path, cfg.arch, registry)
+    arch = model_config.architecture
     cfg = resolve_engine_config(cfg, checkpoint_quantized=model_config.quantization is not None)
     ctx, fused = create_build_context(spec, cfg)
     with torch.device(ctx.device):

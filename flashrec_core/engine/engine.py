@@ -17,7 +17,7 @@ from flashrec_core.engine.beam_wave import BeamWave
 from flashrec_core.engine.loop import EngineLoop, Limits, wait_all
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult, ResultDecoder
-from flashrec_core.registry import Registry, load_hf_config
+from flashrec_core.registry import Registry, read_model_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
 from flashrec_core.search.lm_head import RestrictedLMHead
@@ -69,7 +69,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         search = search or SearchConfig()
-        load_hf_config(engine_config.model_path)  # a clear error before the tokenizer's
+        # a clear error for a bad config.json before the tokenizer (transformers) reads it
+        read_model_config(engine_config.model_path, engine_config.arch, registry)
         tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path, local_files_only=True)
         catalog, layout = _load_layout_and_catalog(tokenizer, search)
         runner = ModelRunner.from_config(engine_config, registry)
@@ -90,6 +91,10 @@ class Engine:
         becomes one user message), raw text otherwise; then <|sid_begin|> when the layout has it."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        texts = [prompt] if prompt is not None else [m.get("content", "") for m in messages or ()]
+        if not any(isinstance(t, str) and t.strip() for t in texts):
+            # the chat template alone would still be a prompt, and rank items for nobody
+            raise ValueError("the prompt is empty or only whitespace; send the user's history")
         if self.tokenizer.chat_template:
             msgs = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
             text = self.tokenizer.apply_chat_template(
@@ -139,7 +144,7 @@ def _load_layout_and_catalog(
         )
         return None, layout
     catalog = load_catalog(search.catalog_path, full.level_sizes)
-    full.check_catalog_depth(catalog.depth)
+    full.check_catalog_depth(catalog.depth, search.sid_depth, f"catalog {search.catalog_path}")
     depth = search.sid_depth or catalog.depth
     if depth != catalog.depth:
         raise ValueError(

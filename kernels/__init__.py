@@ -21,7 +21,12 @@ from .fp8 import (
 )
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
-from .silu_mul import silu_mul_quant_fp8, silu_mul_quant_fp8_ref
+from .silu_mul import (
+    gelu_tanh_mul_quant_fp8,
+    gelu_tanh_mul_quant_fp8_ref,
+    silu_mul_quant_fp8,
+    silu_mul_quant_fp8_ref,
+)
 from .trie_topk import (
     CsrLevel,
     DenseLevel,
@@ -41,6 +46,8 @@ __all__ = [
     "TrieTopK",
     "beam_cascade_attention",
     "beam_cascade_attention_ref",
+    "gelu_tanh_mul_quant_fp8",
+    "gelu_tanh_mul_quant_fp8_ref",
     "pack_keys",
     "per_token_quant_fp8",
     "per_token_quant_fp8_ref",

@@ -205,7 +205,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("no model plugins installed (pip install flashrec-models-<family>)")
     for p in registry.plugins:
         caps = ", ".join(c.name for c in p.spec.capabilities) if p.spec else "-"
-        print(f"{p.name} ({p.distribution} {p.version}) [{p.status}]")
+        contract = f", contract v{p.contract}" if p.contract is not None else ""
+        print(f"{p.name} ({p.distribution} {p.version}{contract}) [{p.status}]")
         print(f"  architectures: {', '.join(p.architectures)}")
         print(f"  fused paths:   {caps}")
         if p.error is not None:

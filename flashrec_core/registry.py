@@ -14,7 +14,13 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from flashrec_core.spec import CONTRACT_VERSION, ConfigError, ModelConfig, ModelSpec
+from flashrec_core.spec import (
+    CONTRACT_VERSION,
+    SUPPORTED_CONTRACTS,
+    ConfigError,
+    ModelConfig,
+    ModelSpec,
+)
 
 ENTRY_POINT_GROUP = "flashrec.models"
 
@@ -38,6 +44,11 @@ class PluginInfo:
     def status(self) -> str:
         return "ok" if self.error is None else "error"
 
+    @property
+    def contract(self) -> int | None:
+        """The model contract version the plugin was written against (None: it did not load)."""
+        return None if self.spec is None else self.spec.contract_version
+
     def as_dict(self) -> dict[str, Any]:
         caps = [c.name for c in self.spec.capabilities] if self.spec else []
         return {
@@ -46,6 +57,7 @@ class PluginInfo:
             "version": self.version,
             "architectures": list(self.architectures),
             "capabilities": caps,
+            "contract": self.contract,
             "status": self.status,
             "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
         }
@@ -74,10 +86,12 @@ def _check_spec(spec: Any, dist: str, declared: tuple[str, ...]) -> None:
             f"{dist}: entry-point names {list(declared)} differ from the spec's architectures "
             f"{list(spec.architectures)}; register one entry point per architecture"
         )
-    if spec.contract_version != CONTRACT_VERSION:
+    if spec.contract_version not in SUPPORTED_CONTRACTS:
+        supported = ", ".join(f"v{v}" for v in SUPPORTED_CONTRACTS)
         raise RuntimeError(
             f"{dist} was written for FlashRec model contract v{spec.contract_version}, "
-            f"this flashrec-core speaks v{CONTRACT_VERSION}; upgrade one of them"
+            f"this flashrec-core (contract v{CONTRACT_VERSION}) loads {supported}; upgrade one "
+            "of them"
         )
 
 

@@ -9,7 +9,7 @@ Shapes (R beam rows of B requests, S own slots per row, page size 1):
     suffix         int32 [R, S]; row r's own slots (ancestors + the one written this step), S >= 1
 For q head h (kv head h // (Hq // Hkv)) of row r of request b:
     o[r, h] = softmax_j(cap(sm_scale * q[r, h] . k[j])) @ v[j], j over prompt slots of b ∪ suffix[r]
-with cap(s) = s, or logit_softcap * tanh(s / logit_softcap) when a soft-cap is given (Gemma 2);
+with cap(s) = s, or logit_softcap * tanh(s / logit_softcap) when a soft-cap is given;
 non-causal, computed in fp32 and rounded to bf16. A sliding window needs no kernel support: all
 rows of a request sit at the same position, so the caller passes only the prompt slots inside
 the window (`flashrec_core.attention` does). It is exactly attention over the union, i.e.

@@ -3,7 +3,7 @@
 gate_up is the output of the fused gate_up GEMM: [T, 2I] with gate = columns [0, I) and
 up = columns [I, 2I). Math, in fp32, then per-token FP8:
 - SwiGLU (`silu_mul_quant_fp8`): out = gate / (1 + exp(-gate)) * up;
-- GeGLU (`gelu_tanh_mul_quant_fp8`, Gemma): out = gate / (1 + exp(-2u)) * up with
+- GeGLU (`gelu_tanh_mul_quant_fp8`): out = gate / (1 + exp(-2u)) * up with
   u = sqrt(2/pi) (gate + 0.044715 gate^3), i.e. GELU(tanh)(gate) * up written without tanh.
 """
 

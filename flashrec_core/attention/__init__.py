@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from flashrec_core.attention.base import AttentionBackend
+from flashrec_core.attention.base import (
+    AttentionBackend,
+    LayerGroups,
+    graph_index_buffers,
+    window_shared_prefix,
+)
+from flashrec_core.attention.step import SharedPrefix, StepInput, flatten_shared_prefix
 from flashrec_core.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 
 BACKENDS = ("torch", "flashinfer")
@@ -24,6 +30,12 @@ def create_attention_backend(name: str, device: torch.device, **kwargs: object) 
 
 __all__ = [
     "AttentionBackend",
+    "LayerGroups",
+    "SharedPrefix",
+    "StepInput",
+    "flatten_shared_prefix",
+    "graph_index_buffers",
+    "window_shared_prefix",
     "TorchAttentionBackend",
     "TorchAttentionMetadata",
     "create_attention_backend",

@@ -47,8 +47,9 @@ class Engine:
         self.search = search
         self.trie = self._create_trie(catalog, layout, search, runner.device)
         head = RestrictedLMHead(
-            runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization
-        )
+            runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization,
+            logit_softcap=runner.final_logit_softcap,
+        )  # fmt: skip
         self.wave = BeamWave(runner, head, self.trie, layout)
         self.decoder = ResultDecoder(layout, catalog, search.length_penalty)
         ecfg = runner.loaded.engine_config

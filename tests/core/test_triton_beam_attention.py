@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashrec_core.attention import TorchAttentionBackend
-from flashrec_core.attention.triton_beam import BeamKernelMetadata, TritonBeamAttention
+from flashrec_core.attention.triton_beam import BeamKernelPlan, TritonBeamAttention
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.engine import Engine
@@ -59,7 +59,7 @@ def test_beam_step_matches_the_torch_backend(kv_dtype: torch.dtype) -> None:
     pool, step, q = _beam_step(kv_dtype)
     torch_backend = TorchAttentionBackend(CPU)
     triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
-    assert isinstance(triton.plan(step), BeamKernelMetadata)
+    assert isinstance(triton.plan(step), BeamKernelPlan)
     ref = _attend(torch_backend, step, pool, q.float()).view(q.shape[0], -1)
     got = _attend(triton, step, pool, q).view(q.shape[0], -1)
     assert (got - ref).abs().max().item() < ATOL
@@ -73,8 +73,11 @@ def test_graph_buffers_give_the_eager_result() -> None:
     eager = _attend(triton, step, pool, q)
     for _ in range(2):  # re-planning into the same buffers
         meta = triton.plan(step, graph=triton.graph_attention(3, 12))
-        assert meta.prefix_indptr.data_ptr() == triton._graph_buffers["prefix_indptr"].data_ptr()
-        assert meta.max_rows_per_request == 4
+        [group] = meta.per_group
+        assert (
+            group.prefix_indptr.data_ptr() == triton._graph_buffers[0]["prefix_indptr"].data_ptr()
+        )
+        assert group.max_rows_per_request == 4
         batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, triton, meta)
         assert torch.equal(triton.forward(q, 0, D**-0.5, batch).float(), eager)
 
@@ -83,7 +86,7 @@ def test_other_steps_go_to_the_wrapped_backend() -> None:
     torch_backend = TorchAttentionBackend(CPU)
     triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
     step = prepare_prefill([[1, 2, 3]], [torch.tensor([5, 6, 7])])
-    assert not isinstance(triton.plan(step), BeamKernelMetadata)
+    assert not isinstance(triton.plan(step), BeamKernelPlan)
 
 
 def test_generate_with_triton_beam_steps_matches_cascade(tmp_path: Path) -> None:

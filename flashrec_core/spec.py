@@ -192,6 +192,10 @@ class WeightHook(Protocol):
         ...
 
 
+FUSED_REQUIREMENTS = ("triton", "fp8_linear", "fp8_kv")
+"""The static preconditions a `FusedPath` may require (checked once at build time)."""
+
+
 @dataclass(frozen=True)
 class FusedPath:
     """A fused kernel path by what it does, with the kernel that implements it.
@@ -207,6 +211,18 @@ class FusedPath:
     kernel: str
     description: str
     requires: tuple[str, ...] = ("triton",)
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.requires if r not in FUSED_REQUIREMENTS]
+        if unknown:
+            raise ValueError(
+                f"fused path '{self.name}': unknown requirement(s) {unknown}; valid: "
+                f"{', '.join(FUSED_REQUIREMENTS)}"
+            )
+        if not self.switch.startswith("enable_fused_"):
+            raise ValueError(
+                f"fused path '{self.name}': switch {self.switch!r} must start with enable_fused_"
+            )
 
     def load_kernel(self) -> Any:
         module, _, attr = self.kernel.partition(":")

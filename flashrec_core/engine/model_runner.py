@@ -51,9 +51,9 @@ class ModelRunner:
             max_rows=ecfg.max_wave_rows, max_requests=ecfg.max_requests, max_context=max_context,
             layers=cfg.layer_attention(),
         )  # fmt: skip
-        beam_attention, why = choose_beam_attention(ecfg, cfg.head_dim, self.kv_pool.dtype)
-        logger.info("beam steps attend through %s (%s)", beam_attention, why)
-        self.beam_attention = beam_attention  # "triton" or "cascade" (the backend's own)
+        beam_attention = ecfg.beam_attention  # resolved: "triton" or "cascade" (the backend's)
+        assert beam_attention != "auto", "load_model resolves beam_attention"
+        self.beam_attention = beam_attention
         if beam_attention == "triton":
             self.attn_backend = _with_triton_beam_steps(
                 self.attn_backend, ecfg, max_context, self.config
@@ -119,26 +119,15 @@ class ModelRunner:
 
 
 def choose_beam_attention(
-    ecfg: EngineConfig, head_dim: int, kv_dtype: torch.dtype
+    ecfg: EngineConfig, head_dim: int, kv_dtype: torch.dtype | None = None
 ) -> tuple[str, str]:
-    """("triton" | "cascade", why) for a resolved engine config. "auto" takes the one-pass Triton
-    kernel wherever it applies: on an H200 it made the 1.7B-parameter benchmark decode step 2.6x faster
-    than FlashInfer's cascade (docs/benchmarks.md)."""
-    if ecfg.beam_attention != "auto":
-        return ecfg.beam_attention, "asked for"
-    if ecfg.device != "cuda":
-        return "cascade", f"auto: device is {ecfg.device}"
-    if not ecfg.cascade_attention:
-        return "cascade", "auto: cascade_attention=False asks for flat per-beam decode"
-    if ecfg.dtype != "bfloat16" or kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-        return (
-            "cascade",
-            f"auto: the kernel takes bf16 queries and a bf16/FP8 cache, not {kv_dtype}",
-        )
-    if head_dim > 256 or head_dim & (head_dim - 1):
-        return "cascade", f"auto: head_dim {head_dim} is not a power of two <= 256"
+    """("triton" | "cascade", why) for an engine config, as `resolve_engine_config` decides it
+    (kept for callers that hold an unresolved config; kv_dtype is read from the config)."""
+    from flashrec_core.config import _resolve_beam_attention
+
     ok, why = triton_usable(ecfg)
-    return ("triton", "auto") if ok else ("cascade", f"auto: {why}")
+    probed = ecfg.model_copy(update={"triton_kernels": ok, "triton_reason": why})
+    return _resolve_beam_attention(probed, head_dim)
 
 
 def _with_triton_beam_steps(
@@ -146,9 +135,6 @@ def _with_triton_beam_steps(
 ) -> AttentionBackend:
     from flashrec_core.attention.triton_beam import TritonBeamAttention
 
-    ok, why = triton_usable(ecfg)
-    if not ok:
-        raise ValueError(f"beam_attention='triton' needs Triton kernels here: {why}")
     device = torch.device(ecfg.device)
     return TritonBeamAttention(
         backend, device, max_rows=ecfg.max_wave_rows,

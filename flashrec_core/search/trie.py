@@ -43,7 +43,8 @@ class TrieChildren(NamedTuple):
 
 
 class Trie(ABC):
-    """Catalog trie; `children` is the only call on the decode path."""
+    """Catalog trie. The decode path reads `kernel_level` tables (the trie top-k kernel or its
+    torch reference); `children` materializes one level's children for tests and tools."""
 
     # True when column j of `children(...)` is always code j (dense tables): the search can
     # then mask logits directly instead of gathering them by code.

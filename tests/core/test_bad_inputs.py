@@ -146,3 +146,15 @@ def test_semicolon_separated_csv(demo: Path, tmp_path: Path, capsys) -> None:
     catalog.write_text("item_id;c1;c2;c3\nitem-1;1;2;3\n")
     code, err = _generate(capsys, demo, "--prompt", "w1", "--catalog", str(catalog))
     _assert_one_line(code, err, str(catalog), "line 1 has 1 field", "','")
+
+
+def test_unknown_disable_fused_switch_lists_the_valid_ones(demo: Path, capsys) -> None:
+    code, err = _generate(capsys, demo, "--prompt", "w1", "--disable-fused", "enable_fused_rms")
+    _assert_one_line(code, err, "--disable-fused enable_fused_rms", "enable_fused_rms_fp8")
+
+
+def test_unknown_fused_requirement_lists_the_valid_ones() -> None:
+    from flashrec_core.spec import FusedPath
+
+    with pytest.raises(ValueError, match=r"unknown requirement\(s\) \['trition'\]; valid: triton"):
+        FusedPath("x", "enable_fused_x", "m:f", "a path", requires=("trition",))

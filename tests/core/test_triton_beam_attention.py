@@ -139,28 +139,28 @@ def test_triton_beam_steps_need_triton_here(tmp_path: Path) -> None:
         model_path=str(tmp_path), device="cpu", show_progress=False, kv_cache_tokens=1024,
         beam_attention="triton",
     )  # fmt: skip
-    with pytest.raises(ValueError, match="beam_attention='triton' needs Triton"):
+    with pytest.raises(ValueError, match="--beam-attention triton needs Triton kernels here"):
         Engine.from_config(cfg, SearchConfig())
 
 
 @pytest.mark.parametrize(
-    ("overrides", "head_dim", "kv_dtype", "expected", "why"),
+    ("overrides", "head_dim", "kv", "expected", "why"),
     [
-        ({}, 128, torch.float8_e4m3fn, "triton", "auto"),
-        ({}, 64, torch.bfloat16, "triton", "auto"),
-        ({"device": "cpu"}, 128, torch.bfloat16, "cascade", "device is cpu"),
-        ({"cascade_attention": False}, 128, torch.bfloat16, "cascade", "flat per-beam"),
-        ({"dtype": "float16"}, 128, torch.float16, "cascade", "bf16 queries"),
-        ({}, 80, torch.bfloat16, "cascade", "head_dim 80"),
-        ({"beam_attention": "cascade"}, 128, torch.bfloat16, "cascade", "asked for"),
-        ({"beam_attention": "triton", "device": "cpu"}, 80, torch.float32, "triton", "asked for"),
+        ({}, 128, "fp8_e4m3", "triton", "auto"),
+        ({}, 64, "bfloat16", "triton", "auto"),
+        ({"device": "cpu"}, 128, "bfloat16", "cascade", "device is cpu"),
+        ({"cascade_attention": False}, 128, "bfloat16", "cascade", "flat per-beam"),
+        ({"dtype": "float16"}, 128, "float16", "cascade", "bf16 queries"),
+        ({}, 80, "bfloat16", "cascade", "head_dim 80"),
+        ({"beam_attention": "cascade"}, 128, "bfloat16", "cascade", "asked for"),
     ],
 )  # fmt: skip
 def test_auto_beam_attention_takes_the_kernel_where_it_applies(
-    overrides: dict, head_dim: int, kv_dtype: torch.dtype, expected: str, why: str
+    overrides: dict, head_dim: int, kv: str, expected: str, why: str
 ) -> None:
-    from flashrec_core.engine.model_runner import choose_beam_attention
+    from flashrec_core.config import _resolve_beam_attention
 
-    settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16", **overrides}
-    choice, reason = choose_beam_attention(EngineConfig(**settings), head_dim, kv_dtype)
+    settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16",
+                "kv_cache_dtype": kv, "triton_kernels": True, **overrides}  # fmt: skip
+    choice, reason = _resolve_beam_attention(EngineConfig(**settings), head_dim)
     assert (choice, why in reason) == (expected, True), reason

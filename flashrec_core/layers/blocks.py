@@ -99,12 +99,13 @@ class PreNormDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)), on the two-stream residual."""
 
     def __init__(
-        self, config: ModelConfig, self_attn: SelfAttention, mlp: GatedMLP, ctx: BuildContext
-    ) -> None:
+        self, config: ModelConfig, self_attn: SelfAttention, mlp: GatedMLP, ctx: BuildContext,
+        *, norm_offset: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.input_layernorm = block_norm(config, ctx)
+        self.input_layernorm = block_norm(config, ctx, weight_offset=norm_offset)
         self.self_attn = self_attn
-        self.post_attention_layernorm = block_norm(config, ctx)
+        self.post_attention_layernorm = block_norm(config, ctx, weight_offset=norm_offset)
         self.mlp = mlp
 
     def forward(

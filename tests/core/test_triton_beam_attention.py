@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrec_core.attention import TorchAttentionBackend
+from flashrec_core.attention import TorchAttentionBackend, window_shared_prefix
 from flashrec_core.attention.triton_beam import BeamKernelPlan, TritonBeamAttention
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import prepare_beam_decode
@@ -16,6 +16,7 @@ from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import ForwardBatch
 from flashrec_core.registry import Registry
+from flashrec_core.spec import AttentionSpec
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 
@@ -48,10 +49,46 @@ def _beam_step(kv_dtype: torch.dtype, widths: tuple[int, ...] = (3, 1, 5)):
     return pool, step, qkv[:, : HQ * D].view(rows, HQ, D)  # strided, as models pass it
 
 
-def _attend(backend, step, pool, q) -> torch.Tensor:
+def _attend(backend, step, pool, q, scale: float = D**-0.5) -> torch.Tensor:
     meta = backend.plan(step)
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
-    return backend.forward(q, 0, D**-0.5, batch).float()
+    return backend.forward(q, 0, scale, batch).float()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(scale=0.3, logit_softcap=1.5),
+        AttentionSpec(scale=D**-0.5, sliding_window=5),  # prompts of 7 and 12 slots cross it
+        AttentionSpec(scale=0.3, logit_softcap=1.5, sliding_window=4),
+    ],
+    ids=["softcap", "window", "softcap-window"],
+)
+def test_layer_spec_in_beam_steps_matches_the_torch_backend(spec: AttentionSpec) -> None:
+    """Contract v2 on the beam path: the kernel's soft-cap and the windowed prompt level equal
+    the torch reference's masked, capped attention over the flat slot lists."""
+    pool, step, q = _beam_step(torch.bfloat16)
+    torch_backend = TorchAttentionBackend(CPU, layers=(spec,))
+    triton = TritonBeamAttention(
+        torch_backend, CPU, max_rows=64, max_prompt_slots=256, layers=(spec,), head_dim=D
+    )
+    ref = _attend(torch_backend, step, pool, q.float(), spec.scale)
+    got = _attend(triton, step, pool, q, spec.scale)
+    plain = _attend(TorchAttentionBackend(CPU), step, pool, q.float(), spec.scale)
+    assert (got - ref).abs().max().item() < ATOL
+    assert (plain - ref).abs().max().item() > 10 * ATOL, "the spec changed nothing here"
+
+
+def test_window_shared_prefix_keeps_the_last_prompt_slots() -> None:
+    _, step, _ = _beam_step(torch.bfloat16)
+    sp = step.shared_prefix
+    cut = window_shared_prefix(sp, 4)  # own slots: 2 (history + own), so 2 prompt slots remain
+    assert cut.prefix_kv_indptr.tolist() == [0, 2, 3, 5]
+    prompts = sp.prefix_kv_indices
+    assert cut.prefix_kv_indices.tolist() == [*prompts[5:7], prompts[7], *prompts[18:20]]
+    assert window_shared_prefix(sp, None) is sp and window_shared_prefix(sp, 100) is sp
+    with pytest.raises(ValueError, match="window must be longer than the SID depth"):
+        window_shared_prefix(sp, 2)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])

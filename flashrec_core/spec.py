@@ -102,6 +102,8 @@ class ModelConfig(BaseModel):
     rope: RopeConfig
     norm_eps: float
     checkpoint_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """The stored dtype config.json declares; validated (parse_dtype), not read by the engine,
+    which takes each tensor's dtype from the safetensors header. Kept for v1 plugins."""
     quantization: QuantizationConfig | None = None
     attention: tuple[AttentionSpec, ...] = ()
     """Per-layer attention specs (contract v2), one per layer; empty = every layer attends over

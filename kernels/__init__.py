@@ -5,6 +5,10 @@ ones (CUDA, or CPU under TRITON_INTERPRET=1). Importing this package never impor
 kernels live in the `triton_*` modules, which the wrappers import on first launch. Plugins writing
 their own FP8 kernels reuse `flashrec_kernels.triton_fp8` (pre-rounded stores, row quantizer) and
 test them with `flashrec_kernels.testing`.
+
+Public: the names in `__all__` (and `triton_fp8`, `testing` for plugin kernels), with the promises
+listed in docs/architecture.md ("Public flashrec_kernels functions"). The `launch_*` functions of
+the `triton_*` modules and `gpu_compile` are internal and may change.
 """
 
 from __future__ import annotations

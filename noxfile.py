@@ -31,8 +31,10 @@ def _install(session: nox.Session, *plugins: Path) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check (Python files and the code blocks of the docs)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
@@ -57,7 +59,8 @@ for _plugin in PLUGINS:
 
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """GPU tier (on a CUDA machine): every test marked gpu, plus the plugins' suites on CUDA."""
+    """GPU tier (on a CUDA machine): every test marked gpu, core and plugins (each plugin's
+    ModelConformance carries the GPU tests: FlashInfer, Triton beam kernel, graphs, FP8)."""
     _install(session, *PLUGINS)
     session.run(
         "python", "-m", "pytest", "-q", "-m", "gpu", "tests", *[str(p / "tests") for p in PLUGINS]

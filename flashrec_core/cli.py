@@ -26,13 +26,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (ValueError, LookupError, FileNotFoundError, RuntimeError) as exc:
-        print(f"flashrec {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, LookupError, OSError, RuntimeError) as exc:
+        print(f"flashrec {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """A user error as one line (pydantic's multi-line report becomes flag: value: reason)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        from flashrec_core.config import describe_settings_error
+
+        return describe_settings_error(exc)
+    return " ".join(str(exc).split())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashrec-core")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"flashrec-core {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="list installed model plugins")
@@ -302,7 +323,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("no model plugins installed (pip install flashrec-models-<family>)")
     for p in registry.plugins:
         caps = ", ".join(c.name for c in p.spec.capabilities) if p.spec else "-"
-        print(f"{p.name} ({p.distribution} {p.version}) [{p.status}]")
+        contract = f", contract v{p.contract}" if p.contract is not None else ""
+        print(f"{p.name} ({p.distribution} {p.version}{contract}) [{p.status}]")
         print(f"  architectures: {', '.join(p.architectures)}")
         print(f"  fused paths:   {caps}")
         if p.error is not None:
@@ -359,7 +381,11 @@ def _generate_batch(engine: Any, args: argparse.Namespace) -> int:
 
 def _read_messages(path: str) -> list[dict[str, str]]:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--messages-json {path} is not valid UTF-8 (byte {exc.start}); re-save it as UTF-8"
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--messages-json {path}: {exc}") from exc
     if not isinstance(data, list) or not all(

@@ -23,6 +23,7 @@ logger = logging.getLogger("flashrec")
 def write_demo(
     out: Path, arch: str | None, level_sizes: Sequence[int], num_items: int, seed: int = 0
 ) -> Path:
+    _check_new_directory(out)
     registry = Registry.discover()
     if arch is None:
         available = [a for p in registry.plugins if p.spec for a in p.architectures]
@@ -42,6 +43,17 @@ def write_demo(
     write_tiny_checkpoint(out, hf_config, level_sizes=level_sizes, seed=seed)
     (out / "catalog.json").write_text(json.dumps(_random_catalog(level_sizes, num_items, seed)))
     return out
+
+
+def _check_new_directory(out: Path) -> None:
+    """The demo writes several files: onto a file or into a directory in use it would clobber."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is an existing file; give the path of a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(
+            f"{out} is a directory that is not empty; give a new directory "
+            "(or remove this one first)"
+        )
 
 
 def _random_catalog(level_sizes: Sequence[int], num_items: int, seed: int) -> dict[str, str]:

@@ -23,6 +23,13 @@ SILU_MUL_FP8 = FusedPath(
     description="SiLU(gate) * up, quantized to FP8 with a per-token scale",
     requires=("triton", "fp8_linear"),
 )
+GELU_MUL_FP8 = FusedPath(
+    name="gelu_mul_fp8",
+    switch="enable_fused_gelu_mul_fp8",
+    kernel="flashrec_kernels:gelu_tanh_mul_quant_fp8",
+    description="GELU-tanh(gate) * up (GeGLU), quantized to FP8 with a per-token scale",
+    requires=("triton", "fp8_linear"),
+)
 QK_NORM_ROPE_KV = FusedPath(
     name="qk_norm_rope_kv",
     switch="enable_fused_qk_rope_kv",
@@ -36,4 +43,4 @@ ROPE_KV = FusedPath(
     description="RoPE + K/V store into the pool (no q/k norm), one kernel",
 )
 
-SHARED_PATHS = (RMS_NORM_FP8, SILU_MUL_FP8, QK_NORM_ROPE_KV, ROPE_KV)
+SHARED_PATHS = (RMS_NORM_FP8, SILU_MUL_FP8, GELU_MUL_FP8, QK_NORM_ROPE_KV, ROPE_KV)

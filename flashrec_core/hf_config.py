@@ -15,6 +15,22 @@ from flashrec_core.spec import (
     describe_validation_error,
 )
 
+COMMON_FIELD_TYPES: dict[str, type] = {
+    "vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+    "max_position_embeddings": int, "rms_norm_eps": float, "layer_norm_eps": float,
+    "rope_theta": float, "tie_word_embeddings": bool,
+}  # fmt: skip
+"""Standard transformers config.json keys and their JSON types, checked for every family before
+its parser runs (a parser's `int(...)` would otherwise accept "64", which transformers rejects)."""
+
+
+def check_common_fields(hf_config: Mapping[str, Any], arch: str) -> None:
+    """Type-check the standard keys that are present (null means "use the default")."""
+    for key, kind in COMMON_FIELD_TYPES.items():
+        if hf_config.get(key) is not None:
+            as_type(hf_config[key], kind, key, arch)
+
 
 def require_field(
     hf_config: Mapping[str, Any], key: str, arch: str, kind: type | None = None
@@ -50,9 +66,13 @@ def as_type(value: Any, kind: type, key: str, arch: str) -> Any:
     }.get(kind, isinstance(value, kind))
     if not ok:
         raise ConfigError(
-            f"{arch}: config.json field '{key}' must be {kind.__name__}, got {value!r}"
+            f"{arch}: config.json field '{key}' must be {kind.__name__}, got {value!r}; "
+            f"write it as a JSON {_JSON_NAMES.get(kind, kind.__name__)}"
         )
     return kind(value)
+
+
+_JSON_NAMES = {int: "integer (no quotes)", float: "number (no quotes)", bool: "true or false"}
 
 
 def parse_rope(hf_config: Mapping[str, Any], head_dim: int, arch: str) -> RopeConfig:

@@ -14,7 +14,13 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
-from flashrec_core.spec import CONTRACT_VERSION, ModelSpec
+from flashrec_core.spec import (
+    CONTRACT_VERSION,
+    SUPPORTED_CONTRACTS,
+    ConfigError,
+    ModelConfig,
+    ModelSpec,
+)
 
 ENTRY_POINT_GROUP = "flashrec.models"
 
@@ -38,6 +44,11 @@ class PluginInfo:
     def status(self) -> str:
         return "ok" if self.error is None else "error"
 
+    @property
+    def contract(self) -> int | None:
+        """The model contract version the plugin was written against (None: it did not load)."""
+        return None if self.spec is None else self.spec.contract_version
+
     def as_dict(self) -> dict[str, Any]:
         caps = [c.name for c in self.spec.capabilities] if self.spec else []
         return {
@@ -46,6 +57,7 @@ class PluginInfo:
             "version": self.version,
             "architectures": list(self.architectures),
             "capabilities": caps,
+            "contract": self.contract,
             "status": self.status,
             "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
         }
@@ -74,10 +86,12 @@ def _check_spec(spec: Any, dist: str, declared: tuple[str, ...]) -> None:
             f"{dist}: entry-point names {list(declared)} differ from the spec's architectures "
             f"{list(spec.architectures)}; register one entry point per architecture"
         )
-    if spec.contract_version != CONTRACT_VERSION:
+    if spec.contract_version not in SUPPORTED_CONTRACTS:
+        supported = ", ".join(f"v{v}" for v in SUPPORTED_CONTRACTS)
         raise RuntimeError(
             f"{dist} was written for FlashRec model contract v{spec.contract_version}, "
-            f"this flashrec-core speaks v{CONTRACT_VERSION}; upgrade one of them"
+            f"this flashrec-core (contract v{CONTRACT_VERSION}) loads {supported}; upgrade one "
+            "of them"
         )
 
 
@@ -161,3 +175,17 @@ def load_hf_config(model_path: str | Path) -> Mapping[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def read_model_config(
+    model_path: str | Path, arch: str | None = None, registry: Registry | None = None
+) -> tuple[ModelSpec, ModelConfig]:
+    """The plugin serving a checkpoint and its parsed config; a bad field is an error naming
+    config.json's path (checked before anything else, e.g. a tokenizer, reads the file)."""
+    registry = registry or Registry.discover()
+    spec = registry.resolve(read_architecture(model_path, arch))
+    hf_config = load_hf_config(model_path)
+    try:
+        return spec, spec.parse_config(hf_config)
+    except ConfigError as exc:
+        raise ConfigError(f"{Path(model_path) / 'config.json'}: {exc}") from exc

@@ -5,6 +5,10 @@ ones (CUDA, or CPU under TRITON_INTERPRET=1). Importing this package never impor
 kernels live in the `triton_*` modules, which the wrappers import on first launch. Plugins writing
 their own FP8 kernels reuse `flashrec_kernels.triton_fp8` (pre-rounded stores, row quantizer) and
 test them with `flashrec_kernels.testing`.
+
+Public: the names in `__all__` (and `triton_fp8`, `testing` for plugin kernels), with the promises
+listed in docs/architecture.md ("Public flashrec_kernels functions"). The `launch_*` functions of
+the `triton_*` modules and `gpu_compile` are internal and may change.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from .fp8 import (
 )
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
-from .silu_mul import silu_mul_quant_fp8, silu_mul_quant_fp8_ref
+from .silu_mul import (
+    gelu_tanh_mul_quant_fp8,
+    gelu_tanh_mul_quant_fp8_ref,
+    silu_mul_quant_fp8,
+    silu_mul_quant_fp8_ref,
+)
 from .trie_topk import (
     CsrLevel,
     DenseLevel,
@@ -41,6 +50,8 @@ __all__ = [
     "TrieTopK",
     "beam_cascade_attention",
     "beam_cascade_attention_ref",
+    "gelu_tanh_mul_quant_fp8",
+    "gelu_tanh_mul_quant_fp8_ref",
     "pack_keys",
     "per_token_quant_fp8",
     "per_token_quant_fp8_ref",

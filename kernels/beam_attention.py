@@ -8,8 +8,11 @@ Shapes (R beam rows of B requests, S own slots per row, page size 1):
     row_indptr     int32 [B + 1]; request b's rows are q[row_indptr[b]:row_indptr[b+1]], in order
     suffix         int32 [R, S]; row r's own slots (ancestors + the one written this step), S >= 1
 For q head h (kv head h // (Hq // Hkv)) of row r of request b:
-    o[r, h] = softmax_j(sm_scale * q[r, h] . k[j]) @ v[j], j over prompt slots of b ∪ suffix[r]
-non-causal, computed in fp32 and rounded to bf16. It is exactly attention over the union, i.e.
+    o[r, h] = softmax_j(cap(sm_scale * q[r, h] . k[j])) @ v[j], j over prompt slots of b ∪ suffix[r]
+with cap(s) = s, or logit_softcap * tanh(s / logit_softcap) when a soft-cap is given;
+non-causal, computed in fp32 and rounded to bf16. A sliding window needs no kernel support: all
+rows of a request sit at the same position, so the caller passes only the prompt slots inside
+the window (`flashrec_core.attention` does). It is exactly attention over the union, i.e.
 FlashInfer's cascade (prefix prefill + suffix decode + merge_state) in one pass. Rows outside
 [row_indptr[0], row_indptr[B]) are not written by the kernel (zero in the reference).
 """
@@ -80,6 +83,11 @@ def _check_indices(
         _fail(f"max_rows_per_request must be a positive int, got {max_rows_per_request!r}")
 
 
+def _check_softcap(logit_softcap: float | None) -> None:
+    if logit_softcap is not None and not logit_softcap > 0:
+        _fail(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
+
+
 def check_beam_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -102,6 +110,7 @@ def _request_ref(
     prefix: torch.Tensor,
     suffix: torch.Tensor,
     sm_scale: float,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One request: q [n, Hq, D], prefix [P], suffix [n, S] -> o [n, Hq, D] in fp32."""
     group = q.shape[1] // k_cache.shape[1]
@@ -113,7 +122,10 @@ def _request_ref(
     scores = torch.cat(
         [torch.einsum("nhd,phd->nhp", qf, kp), torch.einsum("nhd,nshd->nhs", qf, ks)], dim=-1
     )
-    probs = torch.softmax(scores * sm_scale, dim=-1)  # [n, Hq, P + S]
+    scores = scores * sm_scale
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    probs = torch.softmax(scores, dim=-1)  # [n, Hq, P + S]
     num_prefix = prefix.numel()
     return torch.einsum("nhp,phd->nhd", probs[..., :num_prefix], vp) + torch.einsum(
         "nhs,nshd->nhd", probs[..., num_prefix:], vs
@@ -130,11 +142,13 @@ def beam_cascade_attention_ref(
     suffix: torch.Tensor,
     sm_scale: float,
     max_rows_per_request: int,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch reference (fp32 math, a host loop over requests): o [R, Hq, D] bf16."""
     check_beam_attention_args(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, max_rows_per_request
     )
+    _check_softcap(logit_softcap)
     out = torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
     prefix_bounds, row_bounds = prefix_indptr.tolist(), row_indptr.tolist()
     for b in range(len(row_bounds) - 1):
@@ -146,9 +160,8 @@ def beam_cascade_attention_ref(
             _fail(f"request {b} has no prefix slots; every request needs at least one")
         if r1 > r0:
             prefix, rows = prefix_indices[p0:p1].long(), suffix[r0:r1].long()
-            out[r0:r1] = _request_ref(q[r0:r1], k_cache, v_cache, prefix, rows, sm_scale).to(
-                torch.bfloat16
-            )
+            o = _request_ref(q[r0:r1], k_cache, v_cache, prefix, rows, sm_scale, logit_softcap)
+            out[r0:r1] = o.to(torch.bfloat16)
     return out
 
 
@@ -163,6 +176,7 @@ def beam_cascade_attention(
     sm_scale: float,
     max_rows_per_request: int,
     out: torch.Tensor | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of `beam_cascade_attention_ref`; no host syncs, so it captures in a graph.
 
@@ -174,6 +188,7 @@ def beam_cascade_attention(
     check_beam_attention_args(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, max_rows_per_request
     )
+    _check_softcap(logit_softcap)
     check_triton_device(q, _KERNEL)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -183,6 +198,6 @@ def beam_cascade_attention(
 
     launch_beam_cascade_attention(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, sm_scale,
-        max_rows_per_request, out,
+        max_rows_per_request, out, logit_softcap=logit_softcap,
     )  # fmt: skip
     return out

@@ -46,10 +46,22 @@ def _dot_operand(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """Scores in log2 units. With SOFTCAP, qk_scale is sm_scale / cap and the score is
+    cap * tanh(sm_scale * qk / cap) (times log2 e), tanh written as 1 - 2 / (1 + exp(2x)): the
+    interpreter has no tanh, and this form saturates to +-1 instead of overflowing to NaN."""
+    if SOFTCAP:
+        x = qk * qk_scale
+        return (1.0 - 2.0 / (1.0 + tl.exp(2.0 * x))) * cap_log2
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
 def _prefix_chunk(
     q, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head, kc_stride_s,
-    vc_stride_s, m_i, l_i, acc, qk_scale,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -58,7 +70,7 @@ def _prefix_chunk(
     slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
     k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
     k = _dot_operand(tl.load(k_ptrs, mask=mask_n[:, None], other=0.0), INTERPRET)  # [BLOCK_N, D]
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
     s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -72,13 +84,13 @@ def _prefix_chunk(
 @triton.jit
 def _suffix_slot(
     q, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head, kc_stride_s, vc_stride_s,
-    m_i, l_i, acc, qk_scale, D: tl.constexpr,
+    m_i, l_i, acc, qk_scale, cap_log2, D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Fold one own slot per packed row (each row its own K/V vector) into the running state."""
     offs_d = tl.arange(0, D)
     slots = tl.load(slot_ptrs, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
     k = tl.load(k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
-    s = tl.sum(q * k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_M]
+    s = _scores(tl.sum(q * k.to(tl.float32), axis=1), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M]
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
@@ -92,9 +104,9 @@ def _beam_cascade_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, prefix_indptr_ptr, prefix_idx_ptr, row_indptr_ptr,
     suffix_ptr, o_ptr,
     q_stride_r, q_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h,
-    sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, qk_scale,
+    sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, qk_scale, cap_log2,
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,14 +138,16 @@ def _beam_cascade_attention_kernel(
         while n0 < num_prefix:
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, D, BLOCK_N, INTERPRET,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
+                SOFTCAP,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(0, num_prefix, BLOCK_N):  # a for loop, so the compiler pipelines loads
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, D, BLOCK_N, INTERPRET,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
+                SOFTCAP,
             )  # fmt: skip
 
     q_f32 = q.to(tl.float32)
@@ -141,7 +155,7 @@ def _beam_cascade_attention_kernel(
         slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
         m_i, l_i, acc = _suffix_slot(
             q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
-            kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, D,
+            kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, SOFTCAP,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
@@ -162,6 +176,7 @@ def launch_beam_cascade_attention(
     out: torch.Tensor,
     block_m: int | None = None,
     block_n: int = BLOCK_N,
+    logit_softcap: float | None = None,
 ) -> None:
     """Launch the (B, Hkv, tiles) grid; arguments are validated by the public wrapper.
 
@@ -176,12 +191,17 @@ def launch_beam_cascade_attention(
     if num_rows == 0:
         return
     grid = (row_indptr.numel() - 1, num_kv_heads, num_tiles)
+    if logit_softcap is None:
+        qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
+    else:
+        qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
     _beam_cascade_attention_kernel[grid](
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), suffix.stride(0), suffix.stride(1),
-        out.stride(0), out.stride(1), sm_scale * _LOG2E,
+        out.stride(0), out.stride(1), qk_scale, cap_log2,
         GROUP=group, S=suffix.shape[1], D=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=triton_interpreting(),
+        SOFTCAP=logit_softcap is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip

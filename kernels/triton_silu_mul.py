@@ -1,4 +1,5 @@
-"""Triton kernel of `silu_mul_quant_fp8`: one program per token row, in two passes over chunks.
+"""Triton kernel of the gated activations -> FP8 (`silu_mul_quant_fp8`, `gelu_tanh_mul_quant_fp8`):
+one program per token row, in two passes over chunks; ACT picks the activation of the gate.
 
 Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 finds the row's
 absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
@@ -11,45 +12,58 @@ import torch
 import triton
 import triton.language as tl
 
+from .silu_mul import GELU_CUBIC, SQRT_2_OVER_PI
 from .triton_fp8 import fp8_scale, to_fp8
 from .triton_quant import empty_fp8_rows
 
-__all__ = ["launch_silu_mul_quant_fp8"]
+__all__ = ["ACT_GELU_TANH", "ACT_SILU", "launch_silu_mul_quant_fp8"]
 
 _CHUNK = 1024
+ACT_SILU = 0
+ACT_GELU_TANH = 1
+_SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
+_GELU_CUBIC = tl.constexpr(GELU_CUBIC)
 
 
 @triton.jit
-def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr):
+def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr):
     # fp32 right after every load: the interpreter computes bf16 arithmetic wrongly.
     gate = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + INTER + offs, mask=mask, other=0.0).to(tl.float32)
     # Plain `/` (approximate on GPU): tl.exp is approximate there anyway, so IEEE division would
     # buy no exactness, and it costs ~15% here.
+    if ACT == 1:
+        # GELU(tanh) as x / (1 + exp(-2u)) = 0.5 x (1 + tanh(u)): Triton has no tanh that the
+        # interpreter runs, and this form cannot overflow to NaN.
+        u = _SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate)
+        return gate / (1.0 + tl.exp(-2.0 * u)) * up
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
 def _silu_mul_quant_fp8_kernel(
-    gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr
-):
+    gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
+    ACT: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
     absmax = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        y = _silu_mul(row_ptr, offs, offs < INTER, INTER)
+        y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT)
         absmax = tl.maximum(absmax, tl.abs(y))  # masked lanes hold silu(0) * 0 = 0
     scale = fp8_scale(tl.max(absmax, axis=0))
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < INTER
-        y = _silu_mul(row_ptr, offs, mask, INTER)
+        y = _silu_mul(row_ptr, offs, mask, INTER, ACT)
         tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def launch_silu_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_silu_mul_quant_fp8(
+    gate_up: torch.Tensor, act: int = ACT_SILU
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch one program per row; arguments are validated by the public wrapper."""
     t, two_i = gate_up.shape
     inter = two_i // 2
@@ -58,6 +72,6 @@ def launch_silu_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torc
         return q, scale
     chunk = min(_CHUNK, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
-        gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, num_warps=4
+        gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act, num_warps=4
     )
     return q, scale

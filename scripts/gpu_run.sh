@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e (Engine.generate + flashrec serve under load), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -44,6 +44,12 @@ for what in "${@:-tests}"; do
       FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
         tests/gpu tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    contract)  # model contract v2 on the device: every plugin's GPU conformance tier (FlashInfer
+      # soft-cap / sliding window, Triton beam kernel soft-cap, graphs, BF16 + FP8), the kernels
+      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+        flashrec_models_*/tests tests/kernels/test_beam_attention.py \
+        tests/kernels/test_gelu_mul_fp8.py tests/gpu -k "gpu or GPU or kernel or fused or softcap" \
+        2>&1 | tee "$out/contract_tests.log" | tail -40 ;;
     bench50)
       bench -n 50 --requests 400 --out "$out/bench_n50.json" --profile "$out/profile_n50.txt" 2>&1 | tail -25 ;;
     triton)  # explicitly through the Triton beam kernel (the default where it applies), both widths

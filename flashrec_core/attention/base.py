@@ -1,13 +1,23 @@
-"""The attention backend protocol: plan once per step outside the layers, run per layer."""
+"""The attention backend protocol: plan once per step outside the layers, run per layer.
+
+Layers that attend alike (same `AttentionSpec`: scale, soft-cap, sliding window) share one plan
+per step; `LayerGroups` says which layers those are. `window_shared_prefix` turns a beam step's
+prompt level into what a windowed layer sees, for the cascade and Triton beam paths.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from flashrec_core.attention.step import SharedPrefix
+from flashrec_core.spec import AttentionSpec
+
 if TYPE_CHECKING:
-    from flashrec_core.engine.model_runner import StepInput
+    from flashrec_core.attention.step import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 
@@ -16,14 +26,22 @@ class AttentionBackend(Protocol):
 
     Sequence b's queries are tokens qo_indptr[b]:qo_indptr[b+1] of the step; its keys are the
     slots kv_indices[kv_indptr[b]:kv_indptr[b+1]], in position order, the step's own tokens last
-    (their K/V are stored before attention runs). Attention is causal within the sequence.
+    (their K/V are stored before attention runs). Attention is causal within the sequence, and
+    each layer honours its `AttentionSpec` (soft-cap, sliding window) given at construction.
     """
 
     name: str
+    supports_graphs: bool
+    """Whether `graph_attention` and `plan(step, graph=...)` work (beam steps in CUDA graphs)."""
 
-    def plan(self, step: StepInput) -> Any:
+    def plan(self, step: StepInput, graph: Any = None) -> Any:
         """Build this step's metadata from the step's host index arrays (int64, CPU); a backend
-        may use `step.shared_prefix` (cascade) instead of the flat per-row indices."""
+        may use `step.shared_prefix` (cascade) instead of the flat per-row indices. With `graph`
+        (from `graph_attention`), fill that shape's fixed buffers for a replay instead."""
+        ...
+
+    def graph_attention(self, num_requests: int, num_rows: int) -> Any:
+        """Fixed-address state for one captured beam-step shape (supports_graphs only)."""
         ...
 
     def forward(
@@ -31,6 +49,62 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """q [T, Hq, D] -> out [T, Hq, D] in q's dtype."""
         ...
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """The distinct attention specs of a model and the group index of each layer."""
+
+    specs: tuple[AttentionSpec, ...]
+    of_layer: tuple[int, ...]
+
+    @classmethod
+    def create(cls, layers: Sequence[AttentionSpec], default_scale: float) -> LayerGroups:
+        """One group per distinct spec; no layers given (v1 callers): one default group."""
+        if not layers:
+            return cls((AttentionSpec(scale=default_scale),), ())
+        specs = tuple(dict.fromkeys(layers))
+        return cls(specs, tuple(specs.index(s) for s in layers))
+
+    def group(self, layer_id: int) -> int:
+        return self.of_layer[layer_id] if self.of_layer else 0
+
+    def spec(self, layer_id: int) -> AttentionSpec:
+        return self.specs[self.group(layer_id)]
+
+
+def window_shared_prefix(sp: SharedPrefix, window: int | None) -> SharedPrefix:
+    """The prompt level of a beam step as a layer with sliding window W sees it.
+
+    Every row of request b sits at position L_b + S - 1 (L_b prompt slots, S own slots, the
+    same S for every row), so it sees prompt positions L_b + S - W .. L_b - 1 and all its own
+    slots: one truncation per request, shared by its rows. Host-side index math; the indices
+    are gathered on their own device.
+    """
+    if window is None:
+        return sp
+    suffix = sp.suffix_kv_indptr
+    own = int(suffix[1] - suffix[0]) if suffix.numel() > 1 else 1
+    if own >= window:
+        raise ValueError(
+            f"sliding window {window} <= {own} own slots of a beam row: the window must be "
+            "longer than the SID depth"
+        )
+    ptr = sp.prefix_kv_indptr.to(torch.int64).cpu()
+    lengths = ptr[1:] - ptr[:-1]
+    start = (lengths + own - window).clamp(min=0)
+    if not bool(start.any()):
+        return sp
+    keep = lengths - start
+    new_ptr = torch.zeros_like(ptr)
+    new_ptr[1:] = keep.cumsum(0)
+    offset = torch.arange(int(new_ptr[-1])) - torch.repeat_interleave(new_ptr[:-1], keep)
+    gather = torch.repeat_interleave(ptr[:-1] + start, keep) + offset
+    indices = sp.prefix_kv_indices[gather.to(sp.prefix_kv_indices.device)]
+    return SharedPrefix(
+        sp.prefix_qo_indptr, new_ptr.to(sp.prefix_kv_indptr.dtype), indices,
+        sp.suffix_kv_indptr, sp.suffix_kv_indices,
+    )  # fmt: skip
 
 
 def graph_index_buffers(device: torch.device, **lengths: int) -> dict[str, torch.Tensor]:

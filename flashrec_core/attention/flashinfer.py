@@ -18,19 +18,27 @@ slower (measured on an H200: 2.0 ms vs 0.35 ms per layer at 8,000 beams).
 
 CUDA graphs: `graph_attention(num_requests, num_rows)` returns wrappers built in FlashInfer's
 CUDA-graph mode over fixed index buffers; `plan(step, graph=...)` fills them before a replay.
+
+Per-layer specs (contract v2): each distinct `AttentionSpec` (a `LayerGroups` group) gets its own
+wrappers, planned once per step with its scale, `logits_soft_cap` and `window_left = W - 1`
+(FlashInfer's window counts the keys left of the query). A windowed group's cascade prefix gets
+only the prompt slots inside the window (`window_shared_prefix`): the prefix level is
+non-causal, so a window there would be measured from the wrong query position.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashrec_core.attention.base import graph_index_buffers
+from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
+from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
-    from flashrec_core.engine.model_runner import StepInput
+    from flashrec_core.attention.step import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 MIN_WORKSPACE_BYTES = 256 << 20
@@ -48,15 +56,40 @@ class FlashInferMetadata:
 
 
 @dataclass(frozen=True)
-class GraphAttention:
-    """Wrappers in CUDA-graph mode for one captured shape: `num_requests` prompts shared by
-    `num_rows` beams. Their index buffers are fixed; each replay re-plans into them."""
+class GroupedMetadata:
+    """One plan per layer group; layer i runs `per_group[groups.group(i)]`."""
 
-    num_requests: int
-    num_rows: int
+    per_group: tuple[FlashInferMetadata, ...]
+
+
+@dataclass(frozen=True)
+class GraphWrappers:
+    """One layer group's wrappers in CUDA-graph mode for one captured shape."""
+
     prefix: Any  # BatchPrefill over the prompts (cascade)
     suffix: Any  # BatchDecode over each beam's own slots (cascade)
     flat: Any  # BatchDecode over prompt + own slots per beam (cascade off)
+
+
+@dataclass(frozen=True)
+class GraphAttention:
+    """Wrappers in CUDA-graph mode for one captured shape: `num_requests` prompts shared by
+    `num_rows` beams, per layer group. Their index buffers are fixed; each replay re-plans
+    into them."""
+
+    num_requests: int
+    num_rows: int
+    per_group: tuple[GraphWrappers, ...]
+
+
+@dataclass
+class _Wrappers:
+    """One layer group's eager wrappers (prefill, flat decode, cascade prefix and suffix)."""
+
+    prefill: Any
+    decode: Any
+    prefix: Any
+    suffix: Any
 
 
 class FlashInferAttentionBackend:
@@ -77,6 +110,7 @@ class FlashInferAttentionBackend:
         max_requests: int = 1024,
         max_context: int = 16384,
         max_suffix: int = 8,
+        layers: Sequence[AttentionSpec] = (),
     ) -> None:
         import flashinfer
 
@@ -85,21 +119,25 @@ class FlashInferAttentionBackend:
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.cascade = cascade
-        self.scale = head_dim**-0.5
+        self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.tensor_cores = num_q_heads != num_kv_heads
         # NOTE: two float workspaces: the prefix and suffix kernels of one cascade layer run back
-        # to back; every other wrapper (also in graph mode) shares one of them, since one step
-        # runs at a time on one stream.
+        # to back; every other wrapper (also in graph mode, and of every layer group) shares one
+        # of them: they are split-KV scratch, used within one kernel run, one run at a time.
         size = max(MIN_WORKSPACE_BYTES, WORKSPACE_BYTES_PER_ROW * max_rows)
         self.workspace = torch.empty(size, dtype=torch.uint8, device=device)
         self.suffix_workspace = torch.empty(size, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = self._decode_wrapper(self.workspace)
-        self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.suffix = self._decode_wrapper(self.suffix_workspace)
+        self.wrappers = [self._eager_wrappers() for _ in self.groups.specs]
         self.limits = (max_rows, max_requests, max_context, max_suffix)
-        self._graph_buffers: dict[str, torch.Tensor] | None = None
+        self._graph_buffers: list[dict[str, torch.Tensor]] | None = None
         self._planned: dict[int, torch.cuda.Event] = {}
+
+    def _eager_wrappers(self) -> _Wrappers:
+        prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper
+        return _Wrappers(
+            prefill(self.workspace, "NHD"), self._decode_wrapper(self.workspace),
+            prefill(self.workspace, "NHD"), self._decode_wrapper(self.suffix_workspace),
+        )  # fmt: skip
 
     def _decode_wrapper(self, workspace: torch.Tensor, **graph: Any) -> Any:
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -122,56 +160,82 @@ class FlashInferAttentionBackend:
             event.record()
             self._planned[id(wrapper)] = event
 
-    def _common(self) -> dict[str, Any]:
-        return dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.scale)
+    def _common(self, spec: AttentionSpec, windowed: bool = True) -> dict[str, Any]:
+        window = spec.sliding_window if windowed else None
+        return dict(
+            q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=spec.scale,
+            logits_soft_cap=spec.logit_softcap, window_left=-1 if window is None else window - 1,
+        )  # fmt: skip
 
-    def plan(self, step: StepInput, graph: GraphAttention | None = None) -> FlashInferMetadata:
+    def plan(self, step: StepInput, graph: GraphAttention | None = None) -> GroupedMetadata:
+        """One plan per layer group (see `_plan_group`)."""
+        return GroupedMetadata(
+            tuple(
+                self._plan_group(step, g, None if graph is None else graph.per_group[g])
+                for g in range(len(self.groups.specs))
+            )
+        )
+
+    def _plan_group(
+        self, step: StepInput, g: int, graph: GraphWrappers | None
+    ) -> FlashInferMetadata:
         """Host index arrays (int64, CPU) stay on the host for the plan's scheduling; the beam
         suffix indices may live on the device (copied there without a sync)."""
         hq, hkv, d = self.shape
+        spec, eager = self.groups.specs[g], self.wrappers[g]
         num_seq = step.qo_indptr.numel() - 1
         one_query_each = step.input_ids.numel() == num_seq
         sp = step.shared_prefix
         if self.cascade and sp is not None:
-            prefix = graph.prefix if graph is not None else self.prefix
-            suffix = graph.suffix if graph is not None else self.suffix
+            prefix = graph.prefix if graph is not None else eager.prefix
+            suffix = graph.suffix if graph is not None else eager.suffix
+            sp = window_shared_prefix(sp, spec.sliding_window)
             num_req = sp.prefix_qo_indptr.numel() - 1
             self._plan(
                 prefix,
                 _i32(sp.prefix_qo_indptr), _i32(sp.prefix_kv_indptr),
                 _i32(sp.prefix_kv_indices, self.device), _ones(num_req), hq, hkv, d, 1,
-                causal=False, **self._common(),
+                causal=False, **self._common(spec, windowed=False),
             )  # fmt: skip
+            # the suffix (a beam's own slots, fewer than the window) is never windowed
             self._plan(
                 suffix,
                 _i32(sp.suffix_kv_indptr), _i32(sp.suffix_kv_indices, self.device),
-                _ones(num_seq), hq, hkv, d, 1, **self._common(),
+                _ones(num_seq), hq, hkv, d, 1, **self._common(spec, windowed=False),
             )  # fmt: skip
             return FlashInferMetadata("cascade", prefix, suffix)
         if one_query_each:
-            flat = graph.flat if graph is not None else self.decode
+            flat = graph.flat if graph is not None else eager.decode
             self._plan(
                 flat,
                 _i32(step.kv_indptr), _i32(step.flat_kv_indices(), self.device), _ones(num_seq),
-                hq, hkv, d, 1, **self._common(),
+                hq, hkv, d, 1, **self._common(spec),
             )  # fmt: skip
             return FlashInferMetadata("decode", flat)
         assert graph is None, "prefill steps are never captured"
         self._plan(
-            self.prefill,
+            eager.prefill,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(num_seq), hq, hkv, d, 1,
-            causal=True, **self._common(),
+            causal=True, **self._common(spec),
         )  # fmt: skip
-        return FlashInferMetadata("prefill", self.prefill)
+        return FlashInferMetadata("prefill", eager.prefill)
 
     def graph_attention(self, num_requests: int, num_rows: int) -> GraphAttention:
-        """CUDA-graph-mode wrappers for one shape. Index buffers are views of one set of
-        backend-wide buffers sized for the largest shape (one graph replays at a time)."""
+        """CUDA-graph-mode wrappers for one shape, per layer group. Index buffers are views of
+        one set of buffers per group, sized for the largest shape (one graph replays at a time;
+        the groups are all planned before it)."""
         max_rows, max_requests, max_context, max_suffix = self.limits
         if num_rows > max_rows or num_requests > max(max_requests, max_rows):
             raise ValueError(f"graph shape {num_requests} requests / {num_rows} rows over limits")
-        buf = self._buffers()
+        per_group = tuple(
+            self._graph_wrappers(buf, num_requests, num_rows) for buf in self._buffers()
+        )
+        return GraphAttention(num_requests, num_rows, per_group)
+
+    def _graph_wrappers(
+        self, buf: dict[str, torch.Tensor], num_requests: int, num_rows: int
+    ) -> GraphWrappers:
         fi = self._fi
         prefix = fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
@@ -191,35 +255,40 @@ class FlashInferAttentionBackend:
 
         suffix = per_row(self.suffix_workspace, "suffix_idx")
         flat = per_row(self.workspace, "flat_idx")
-        return GraphAttention(num_requests, num_rows, prefix, suffix, flat)
+        return GraphWrappers(prefix, suffix, flat)
 
-    def _buffers(self) -> dict[str, torch.Tensor]:
+    def _buffers(self) -> list[dict[str, torch.Tensor]]:
         if self._graph_buffers is None:
-            max_rows, max_requests, max_context, max_suffix = self.limits
-            reqs = max(max_requests, max_rows)
-            flat_len = max_rows * (max_context + max_suffix) if not self.cascade else 1
-
-            self._graph_buffers = graph_index_buffers(
-                self.device, prefix_qo=reqs + 1, prefix_kv=reqs + 1,
-                prefix_idx=max(max_requests * max_context, 1), row_kv=max_rows + 1,
-                suffix_idx=max_rows * max_suffix, flat_idx=flat_len,
-            )  # fmt: skip
-            self._graph_buffers["ones"] = torch.ones(reqs, dtype=torch.int32, device=self.device)
+            self._graph_buffers = [self._group_buffers() for _ in self.groups.specs]
         return self._graph_buffers
+
+    def _group_buffers(self) -> dict[str, torch.Tensor]:
+        max_rows, max_requests, max_context, max_suffix = self.limits
+        reqs = max(max_requests, max_rows)
+        flat_len = max_rows * (max_context + max_suffix) if not self.cascade else 1
+        buffers = graph_index_buffers(
+            self.device, prefix_qo=reqs + 1, prefix_kv=reqs + 1,
+            prefix_idx=max(max_requests * max_context, 1), row_kv=max_rows + 1,
+            suffix_idx=max_rows * max_suffix, flat_idx=flat_len,
+        )  # fmt: skip
+        buffers["ones"] = torch.ones(reqs, dtype=torch.int32, device=self.device)
+        return buffers
 
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
     ) -> torch.Tensor:
-        assert abs(scale - self.scale) < 1e-12, "FlashInfer plans use head_dim**-0.5"
-        meta: FlashInferMetadata = batch.attn_metadata
+        spec = self.groups.spec(layer_id)
+        assert abs(scale - spec.scale) <= 1e-6 * spec.scale, (
+            f"layer {layer_id} attends with scale {scale}, its plan with {spec.scale}: the "
+            "model's Attention spec and ModelConfig.attention disagree"
+        )
+        meta = batch.attn_metadata.per_group[self.groups.group(layer_id)]
         pool = batch.kv_pool
         # NOTE: [num_slots, Hkv, D] viewed as pages of one token: [num_slots, 1, Hkv, D].
         kv = (pool.k_cache[layer_id].unsqueeze(1), pool.v_cache[layer_id].unsqueeze(1))
         # q is a strided view of the qkv projection. The prefill kernel takes its strides (the
-        # whole prompt's q is not copied); the decode wrapper gets a contiguous copy (one row per
-        # sequence, cheap). The copy was added while chasing wrong eager beam steps on the H200,
-        # which turned out to be the RoPE kernel's slot indexing; decode with a strided q has not
-        # been checked on its own since, so the copy stays.
+        # whole prompt's q is not copied); the decode kernels get a contiguous copy (one row per
+        # sequence, cheap), since no test covers them with a strided q.
         if meta.kind == "decode":
             return meta.wrapper.run(q.contiguous(), kv)
         if meta.kind != "cascade":

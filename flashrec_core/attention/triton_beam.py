@@ -8,57 +8,71 @@ packing the GQA group into the query tile so that each prompt K/V chunk serves e
 head that shares it.
 
 Selected by `EngineConfig.beam_attention` ("auto" picks it on CUDA where it applies, see
-`model_runner.choose_beam_attention`). On an H200 it runs a 160-request x 50-beam step in 0.55 ms
+`config.resolve_engine_config`). On an H200 it runs a 160-request x 50-beam step in 0.55 ms
 per layer (docs/benchmarks.md); tests/gpu checks it against fp32 transformers, graphs and eager.
+
+Per-layer specs: the kernel applies a layer's logit soft-cap itself; a sliding window is a
+shorter prompt level (`window_shared_prefix`), so each layer group gets its own index set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashrec_core.attention.base import graph_index_buffers
+from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
+from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
-    from flashrec_core.engine.model_runner import StepInput
+    from flashrec_core.attention.step import SharedPrefix, StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
 class BeamKernelMetadata:
-    """Device int32 index tensors of one beam step, in the kernel's layout."""
+    """Device int32 index tensors of one beam step for one layer group, in the kernel's layout."""
 
     prefix_indptr: torch.Tensor  # [B + 1]
-    prefix_indices: torch.Tensor  # [sum of prompt lengths]
+    prefix_indices: torch.Tensor  # [sum of (windowed) prompt lengths]
     row_indptr: torch.Tensor  # [B + 1]
     suffix: torch.Tensor  # [R, S]
     max_rows_per_request: int
 
 
 @dataclass(frozen=True)
+class BeamKernelPlan:
+    """A beam step's plan: one index set per layer group."""
+
+    per_group: tuple[BeamKernelMetadata, ...]
+
+
+@dataclass(frozen=True)
 class BeamKernelGraph:
-    """One captured shape: views of the backend's fixed index buffers (one graph replays at a
-    time, so every shape shares them)."""
+    """One captured shape: views of the backend's fixed index buffers, one set per layer group
+    (one graph replays at a time, so every shape shares them)."""
 
     num_requests: int
     num_rows: int
-    buffers: dict[str, torch.Tensor]
+    buffers: tuple[dict[str, torch.Tensor], ...]
 
 
 class TritonBeamAttention:
     """Wraps a backend: shared-prefix steps go to the Triton kernel, the rest to `inner`."""
 
     def __init__(self, inner: AttentionBackend, device: torch.device, max_rows: int,
-                 max_prompt_slots: int, max_suffix: int = 8) -> None:  # fmt: skip
+                 max_prompt_slots: int, max_suffix: int = 8,
+                 layers: Sequence[AttentionSpec] = (), head_dim: int = 128) -> None:  # fmt: skip
         self.inner = inner
         self.name = f"{inner.name}+triton-beam"
         self.device = device
         self.supports_graphs = device.type == "cuda"
+        self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.limits = (max_rows, max_prompt_slots, max_suffix)
-        self._graph_buffers: dict[str, torch.Tensor] | None = None
+        self._graph_buffers: tuple[dict[str, torch.Tensor], ...] | None = None
 
     def plan(self, step: StepInput, graph: BeamKernelGraph | None = None) -> Any:
         sp = step.shared_prefix
@@ -67,6 +81,23 @@ class TritonBeamAttention:
             return self.inner.plan(step)
         rows = step.out_cache_loc.numel()
         suffix_len = sp.suffix_kv_indices.numel() // max(rows, 1)
+        return BeamKernelPlan(
+            tuple(
+                self._plan_group(
+                    window_shared_prefix(sp, spec.sliding_window),
+                    rows,
+                    suffix_len,
+                    None if graph is None else graph.buffers[g],
+                    graph,
+                )  # fmt: skip
+                for g, spec in enumerate(self.groups.specs)
+            )
+        )
+
+    def _plan_group(
+        self, sp: SharedPrefix, rows: int, suffix_len: int,
+        buf: dict[str, torch.Tensor] | None, graph: BeamKernelGraph | None,
+    ) -> BeamKernelMetadata:  # fmt: skip
         dev = self.device
         parts = {
             "prefix_indptr": sp.prefix_kv_indptr.to(torch.int32),
@@ -74,7 +105,7 @@ class TritonBeamAttention:
             "row_indptr": sp.prefix_qo_indptr.to(torch.int32),
             "suffix": sp.suffix_kv_indices.to(dev, torch.int32),
         }
-        if graph is None:
+        if buf is None or graph is None:
             widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync
             return BeamKernelMetadata(
                 parts["prefix_indptr"].to(dev, non_blocking=True),
@@ -84,7 +115,6 @@ class TritonBeamAttention:
                 int(widths.max()),
             )
         # Graph: copy into the fixed buffers the captured kernel reads.
-        buf = graph.buffers
         for name, value in parts.items():
             buf[name][: value.numel()].copy_(value, non_blocking=True)
         return BeamKernelMetadata(
@@ -98,24 +128,31 @@ class TritonBeamAttention:
     def graph_attention(self, num_requests: int, num_rows: int) -> BeamKernelGraph:
         max_rows, max_prompt_slots, max_suffix = self.limits
         if self._graph_buffers is None:
-            self._graph_buffers = graph_index_buffers(
-                self.device, prefix_indptr=max_rows + 1, prefix_indices=max_prompt_slots,
-                row_indptr=max_rows + 1, suffix=max_rows * max_suffix,
-            )  # fmt: skip
+            self._graph_buffers = tuple(
+                graph_index_buffers(
+                    self.device,
+                    prefix_indptr=max_rows + 1,
+                    prefix_indices=max_prompt_slots,
+                    row_indptr=max_rows + 1,
+                    suffix=max_rows * max_suffix,
+                )  # fmt: skip
+                for _ in self.groups.specs
+            )
         return BeamKernelGraph(num_requests, num_rows, self._graph_buffers)
 
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
     ) -> torch.Tensor:
-        meta = batch.attn_metadata
-        if not isinstance(meta, BeamKernelMetadata):
+        plan = batch.attn_metadata
+        if not isinstance(plan, BeamKernelPlan):
             return self.inner.forward(q, layer_id, scale, batch)
         from flashrec_kernels import beam_cascade_attention
 
+        meta = plan.per_group[self.groups.group(layer_id)]
         pool = batch.kv_pool
         out = beam_cascade_attention(
             q.to(torch.bfloat16), pool.k_cache[layer_id], pool.v_cache[layer_id],
             meta.prefix_indptr, meta.prefix_indices, meta.row_indptr, meta.suffix, scale,
-            meta.max_rows_per_request,
+            meta.max_rows_per_request, logit_softcap=self.groups.spec(layer_id).logit_softcap,
         )  # fmt: skip
         return out.to(q.dtype)

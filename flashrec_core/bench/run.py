@@ -69,7 +69,9 @@ def _build(bc: BenchConfig) -> tuple[BeamWave, Any, torch.Tensor]:
     layout = sid_layout_at_end(runner.config.vocab_size, bc.level_sizes)
     codes = random_catalog(bc.level_sizes, bc.catalog_size, bc.seed)
     trie = build_trie(codes, bc.level_sizes).to(runner.device)
-    head = RestrictedLMHead(runner.lm_head(), runner.lm_head_bias(), layout)
+    head = RestrictedLMHead(
+        runner.lm_head(), runner.lm_head_bias(), layout, logit_softcap=runner.final_logit_softcap
+    )
     catalog = torch.from_numpy(codes).to(runner.device)
     return BeamWave(runner, head, trie, layout), shape, catalog
 

@@ -58,7 +58,7 @@ def random_model(
     """Build the architecture's model with random weights (std 0.02, norms 1) on the device."""
     spec = Registry.discover().resolve(hf_config["architectures"][0])
     config = spec.parse_config(hf_config)
-    cfg = resolve_engine_config(engine_config, checkpoint_quantized=False)
+    cfg = resolve_engine_config(engine_config, checkpoint_quantized=False, head_dim=config.head_dim)
     ctx, fused = create_build_context(spec, cfg)
     with torch.device(ctx.device):
         model = spec.load_model_class()(config, ctx)

@@ -20,7 +20,7 @@ from flashrec_core.config import (
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import BuildContext
 from flashrec_core.loader import load_weights
-from flashrec_core.registry import Registry, load_hf_config, read_architecture
+from flashrec_core.registry import Registry, read_model_config
 from flashrec_core.spec import FusedPath, ModelConfig, ModelSpec
 
 logger = logging.getLogger("flashrec")
@@ -40,6 +40,7 @@ def resolve_fused_paths(
 ) -> tuple[dict[str, Callable[..., Any]], list[FusedDecision]]:
     """Decide once, per path: user switch AND spec capability AND kernel available AND static
     preconditions. Returns the enabled kernels and every decision (for logs and `flashrec models`)."""
+    check_switch_names(spec, cfg)
     triton_ok, triton_why = triton_usable(cfg)
     kernels: dict[str, Callable[..., Any]] = {}
     decisions = []
@@ -53,6 +54,19 @@ def resolve_fused_paths(
         decisions.append(FusedDecision(path.name, reason is None, reason or "on"))
         logger.info("fused path %-16s %s", path.name, "on" if reason is None else f"off ({reason})")
     return kernels, decisions
+
+
+def check_switch_names(spec: ModelSpec, cfg: EngineConfig) -> None:
+    """Every switch turned off by name (--disable-fused) exists: the engine's own or one of the
+    spec's paths; a typo is an error listing the valid names, never silently ignored."""
+    valid = {name for name in EngineConfig.model_fields if name.startswith("enable_fused_")}
+    valid |= {c.switch for c in spec.capabilities}
+    unknown = [name for name in cfg.disabled_fused if name not in valid]
+    if unknown:
+        raise ValueError(
+            f"--disable-fused {', '.join(unknown)}: no such switch for {spec.name}; valid: "
+            f"{', '.join(sorted(valid))}"
+        )
 
 
 def _blocker(
@@ -88,12 +102,11 @@ class LoadedModel:
 
 def load_model(cfg: EngineConfig, registry: Registry | None = None) -> LoadedModel:
     """Resolve the architecture's plugin, parse config.json, build the model and load weights."""
-    registry = registry or Registry.discover()
-    arch = read_architecture(cfg.model_path, cfg.arch)
-    spec = registry.resolve(arch)
-    hf_config = dict(load_hf_config(cfg.model_path))
-    model_config = spec.parse_config(hf_config)
-    cfg = resolve_engine_config(cfg, checkpoint_quantized=model_config.quantization is not None)
+    spec, model_config = read_model_config(cfg.model_path, cfg.arch, registry)
+    arch = model_config.architecture
+    cfg = resolve_engine_config(
+        cfg, model_config.quantization is not None, head_dim=model_config.head_dim
+    )
     ctx, fused = create_build_context(spec, cfg)
     with torch.device(ctx.device):
         model = spec.load_model_class()(model_config, ctx)

@@ -108,7 +108,7 @@ class DecodeGraphs:
             reason = "cuda_graphs=False"
         elif runner.device.type != "cuda":
             reason = f"device is {runner.device.type}"
-        elif not getattr(runner.attn_backend, "supports_graphs", False):
+        elif not runner.attn_backend.supports_graphs:
             reason = f"the {runner.attn_backend.name} attention backend cannot be captured"
         if reason is not None:
             logger.info("CUDA graphs off (%s): beam steps run eagerly", reason)

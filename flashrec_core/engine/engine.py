@@ -17,7 +17,7 @@ from flashrec_core.engine.beam_wave import BeamWave
 from flashrec_core.engine.loop import EngineLoop, Limits, wait_all
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult, ResultDecoder
-from flashrec_core.registry import Registry, load_hf_config
+from flashrec_core.registry import Registry, read_model_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
 from flashrec_core.search.filters import CatalogIndex, FilterError, ItemFilter
@@ -48,8 +48,9 @@ class Engine:
         self.search = search
         self.trie = self._create_trie(catalog, layout, search, runner.device)
         head = RestrictedLMHead(
-            runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization
-        )
+            runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization,
+            logit_softcap=runner.final_logit_softcap,
+        )  # fmt: skip
         self.catalog_index = CatalogIndex(catalog) if catalog is not None else None
         """Item id -> SID rows and trie ancestors, for per-request item filters."""
         self.wave = BeamWave(runner, head, self.trie, layout, self.catalog_index)
@@ -73,7 +74,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         search = search or SearchConfig()
-        load_hf_config(engine_config.model_path)  # a clear error before the tokenizer's
+        # a clear error for a bad config.json before the tokenizer (transformers) reads it
+        read_model_config(engine_config.model_path, engine_config.arch, registry)
         tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path, local_files_only=True)
         catalog, layout = _load_layout_and_catalog(tokenizer, search)
         runner = ModelRunner.from_config(engine_config, registry)
@@ -99,8 +101,9 @@ class Engine:
         when the layout has it. Empty or whitespace-only text is a ValueError."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
-        texts = [prompt] if prompt is not None else [m["content"] for m in messages or ()]
-        if not any(t.strip() for t in texts):
+        texts = [prompt] if prompt is not None else [m.get("content", "") for m in messages or ()]
+        if not any(isinstance(t, str) and t.strip() for t in texts):
+            # the chat template alone would still be a prompt, and rank items for nobody
             raise ValueError("the prompt is empty or only whitespace; send the user's history")
         if self.tokenizer.chat_template and not raw:
             msgs = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
@@ -176,7 +179,7 @@ def _load_layout_and_catalog(
         )
         return None, layout
     catalog = load_catalog(search.catalog_path, full.level_sizes)
-    full.check_catalog_depth(catalog.depth)
+    full.check_catalog_depth(catalog.depth, search.sid_depth, f"catalog {search.catalog_path}")
     depth = search.sid_depth or catalog.depth
     if depth != catalog.depth:
         raise ValueError(

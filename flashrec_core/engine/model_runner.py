@@ -3,82 +3,26 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashrec_core.attention import AttentionBackend, create_attention_backend
+# re-exported: the step types moved below attention/, engine modules still import them here
+from flashrec_core.attention import (  # noqa: F401
+    AttentionBackend,
+    SharedPrefix,
+    StepInput,
+    create_attention_backend,
+    flatten_shared_prefix,
+)
 from flashrec_core.config import EngineConfig, triton_usable
 from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
 from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocator
 from flashrec_core.layers import ForwardBatch
 from flashrec_core.registry import Registry
+from flashrec_core.spec import ModelConfig
 
 logger = logging.getLogger("flashrec")
-
-
-@dataclass(frozen=True)
-class SharedPrefix:
-    """Two-level view of a beam decode step, for cascade attention.
-
-    Level 0: rows of request b (prefix_qo_indptr[b]:prefix_qo_indptr[b+1]) share the prompt
-    slots prefix_kv_indices[prefix_kv_indptr[b]:prefix_kv_indptr[b+1]]. Level 1: row r's own
-    slots suffix_kv_indices[suffix_kv_indptr[r]:suffix_kv_indptr[r+1]] (ancestors + its own).
-    """
-
-    prefix_qo_indptr: torch.Tensor
-    prefix_kv_indptr: torch.Tensor
-    prefix_kv_indices: torch.Tensor
-    suffix_kv_indptr: torch.Tensor
-    suffix_kv_indices: torch.Tensor
-
-
-def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
-    """Flat per-row slot lists (row r: its request's prefix slots, then its suffix slots),
-    concatenated, on the device of the suffix indices. Vectorized: no host loop over rows."""
-    device = sp.suffix_kv_indices.device
-    rows_per_req = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
-    req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req).to(device)
-    prefix_ptr, suffix_ptr = sp.prefix_kv_indptr.to(device), sp.suffix_kv_indptr.to(device)
-    prefix_len = (prefix_ptr[1:] - prefix_ptr[:-1])[req]
-    kv_len = prefix_len + (suffix_ptr[1:] - suffix_ptr[:-1])
-    rows = torch.repeat_interleave(torch.arange(req.numel(), device=device), kv_len)
-    starts = torch.cumsum(kv_len, 0) - kv_len
-    pos = torch.arange(rows.numel(), device=device) - starts[rows]  # position within the row
-    in_prefix = pos < prefix_len[rows]
-    prefix = sp.prefix_kv_indices.to(device)
-    from_prefix = prefix[(prefix_ptr[req][rows] + pos).clamp(max=max(prefix.numel() - 1, 0))]
-    from_suffix = sp.suffix_kv_indices[
-        (suffix_ptr[rows] + pos - prefix_len[rows]).clamp(
-            min=0, max=sp.suffix_kv_indices.numel() - 1
-        )
-    ]
-    return torch.where(in_prefix, from_prefix, from_suffix)
-
-
-@dataclass(frozen=True)
-class StepInput:
-    """Host-side description of one forward step over several sequences (built in prepare_*).
-
-    Sequence b contributes tokens input_ids[qo_indptr[b]:qo_indptr[b+1]] and attends to the slots
-    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (its own new slots last).
-    """
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    out_cache_loc: torch.Tensor  # [T] int64
-    qo_indptr: torch.Tensor  # [B + 1]
-    kv_indptr: torch.Tensor  # [B + 1]
-    kv_indices: torch.Tensor | None  # [sum kv]; None when only shared_prefix is given
-    shared_prefix: SharedPrefix | None = None
-
-    def flat_kv_indices(self) -> torch.Tensor:
-        """Per-row slot lists, derived from the two-level view when only that was built."""
-        if self.kv_indices is not None:
-            return self.kv_indices
-        assert self.shared_prefix is not None, "a step has flat indices or a shared prefix"
-        return flatten_shared_prefix(self.shared_prefix)
 
 
 DEFAULT_MAX_CONTEXT = 16_384
@@ -105,12 +49,15 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, q_dtype=self.dtype,
             kv_dtype=self.kv_pool.dtype, cascade=ecfg.cascade_attention,
             max_rows=ecfg.max_wave_rows, max_requests=ecfg.max_requests, max_context=max_context,
+            layers=cfg.layer_attention(),
         )  # fmt: skip
-        beam_attention, why = choose_beam_attention(ecfg, cfg.head_dim, self.kv_pool.dtype)
-        logger.info("beam steps attend through %s (%s)", beam_attention, why)
-        self.beam_attention = beam_attention  # "triton" or "cascade" (the backend's own)
+        beam_attention = ecfg.beam_attention  # resolved: "triton" or "cascade" (the backend's)
+        assert beam_attention != "auto", "load_model resolves beam_attention"
+        self.beam_attention = beam_attention
         if beam_attention == "triton":
-            self.attn_backend = _with_triton_beam_steps(self.attn_backend, ecfg, max_context)
+            self.attn_backend = _with_triton_beam_steps(
+                self.attn_backend, ecfg, max_context, self.config
+            )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, registry: Registry | None = None) -> ModelRunner:
@@ -155,50 +102,44 @@ class ModelRunner:
         )
         return self.model(batch)
 
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The model's final-logit soft-cap (contract v2), for the restricted head."""
+        return self.config.final_logit_softcap
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (tests and open-vocabulary baselines; GenRec uses the
-        restricted head)."""
+        restricted head), soft-capped like the model's own head."""
         out = hidden.float() @ self.lm_head().float().t()
         bias = self.lm_head_bias()
-        return out if bias is None else out + bias.float()
+        out = out if bias is None else out + bias.float()
+        cap = self.final_logit_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
 
 def choose_beam_attention(
-    ecfg: EngineConfig, head_dim: int, kv_dtype: torch.dtype
+    ecfg: EngineConfig, head_dim: int, kv_dtype: torch.dtype | None = None
 ) -> tuple[str, str]:
-    """("triton" | "cascade", why) for a resolved engine config. "auto" takes the one-pass Triton
-    kernel wherever it applies: on an H200 it made the 1.7B-parameter benchmark decode step 2.6x faster
-    than FlashInfer's cascade (docs/benchmarks.md)."""
-    if ecfg.beam_attention != "auto":
-        return ecfg.beam_attention, "asked for"
-    if ecfg.device != "cuda":
-        return "cascade", f"auto: device is {ecfg.device}"
-    if not ecfg.cascade_attention:
-        return "cascade", "auto: cascade_attention=False asks for flat per-beam decode"
-    if ecfg.dtype != "bfloat16" or kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-        return (
-            "cascade",
-            f"auto: the kernel takes bf16 queries and a bf16/FP8 cache, not {kv_dtype}",
-        )
-    if head_dim > 256 or head_dim & (head_dim - 1):
-        return "cascade", f"auto: head_dim {head_dim} is not a power of two <= 256"
+    """("triton" | "cascade", why) for an engine config, as `resolve_engine_config` decides it
+    (kept for callers that hold an unresolved config; kv_dtype is read from the config)."""
+    from flashrec_core.config import _resolve_beam_attention
+
     ok, why = triton_usable(ecfg)
-    return ("triton", "auto") if ok else ("cascade", f"auto: {why}")
+    probed = ecfg.model_copy(update={"triton_kernels": ok, "triton_reason": why})
+    return _resolve_beam_attention(probed, head_dim)
 
 
 def _with_triton_beam_steps(
-    backend: AttentionBackend, ecfg: EngineConfig, max_context: int
+    backend: AttentionBackend, ecfg: EngineConfig, max_context: int, config: ModelConfig
 ) -> AttentionBackend:
     from flashrec_core.attention.triton_beam import TritonBeamAttention
 
-    ok, why = triton_usable(ecfg)
-    if not ok:
-        raise ValueError(f"beam_attention='triton' needs Triton kernels here: {why}")
     device = torch.device(ecfg.device)
     return TritonBeamAttention(
         backend, device, max_rows=ecfg.max_wave_rows,
-        max_prompt_slots=ecfg.max_requests * max_context,
+        max_prompt_slots=ecfg.max_requests * max_context, layers=config.layer_attention(),
+        head_dim=config.head_dim,
     )  # fmt: skip
 
 

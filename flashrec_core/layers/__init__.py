@@ -1,8 +1,16 @@
 """Building blocks that model plugins compose (imported by plugins as `flashrec_core.layers`)."""
 
-from flashrec_core.layers.activation import SiluAndMul, silu_and_mul
+from flashrec_core.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_and_mul, silu_and_mul
 from flashrec_core.layers.attention import Attention, split_qkv
 from flashrec_core.layers.batch import ForwardBatch
+from flashrec_core.layers.blocks import (
+    CausalLM,
+    DecoderModel,
+    GatedMLP,
+    PreNormDecoderLayer,
+    SelfAttention,
+    block_norm,
+)
 from flashrec_core.layers.context import BuildContext
 from flashrec_core.layers.embedding import Embedding
 from flashrec_core.layers.gelu import GeluTanh, gelu_tanh
@@ -22,18 +30,26 @@ __all__ = [
     "FP8_DTYPE",
     "Attention",
     "BuildContext",
+    "CausalLM",
+    "DecoderModel",
     "Embedding",
     "ForwardBatch",
+    "GatedMLP",
+    "GeluAndMul",
     "GeluTanh",
     "LayerNorm",
     "Linear",
+    "PreNormDecoderLayer",
     "QuantizedActivation",
     "RMSNorm",
     "RotaryEmbedding",
+    "SelfAttention",
     "SiluAndMul",
     "apply_rope",
+    "block_norm",
     "fp8_linear",
     "gelu_tanh",
+    "gelu_tanh_and_mul",
     "layer_norm",
     "quantize_per_token",
     "quantize_weight_per_channel",

@@ -1,4 +1,5 @@
-"""Gated activations (SiLU * up) with an FP8-quantizing variant for the following GEMM."""
+"""Gated activations (SwiGLU: SiLU(gate) * up; GeGLU: GELU-tanh(gate) * up) with FP8-quantizing
+variants for the following GEMM."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from flashrec_kernels import silu_mul_quant_fp8_ref
+from flashrec_kernels import gelu_tanh_mul_quant_fp8_ref, silu_mul_quant_fp8_ref
 from torch import nn
 
 from flashrec_core.layers.quant import QuantizedActivation
@@ -34,3 +35,27 @@ class SiluAndMul(nn.Module):
             kernel = self.fused_kernel or silu_mul_quant_fp8_ref
             return QuantizedActivation(*kernel(gate_up))
         return silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: GELU-tanh(gate) * up (HF `gelu_pytorch_tanh`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
+
+
+class GeluAndMul(nn.Module):
+    """GELU-tanh(gate) * up; a `QuantizedActivation` when the next GEMM is FP8 (the shared
+    `gelu_tanh_mul_quant_fp8` kernel when given, else its torch reference)."""
+
+    def __init__(
+        self, *, quantize_output: bool = False, fused_kernel: Callable[..., Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.quantize_output = quantize_output
+        self.fused_kernel = fused_kernel if quantize_output else None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
+        if self.quantize_output:
+            kernel = self.fused_kernel or gelu_tanh_mul_quant_fp8_ref
+            return QuantizedActivation(*kernel(gate_up))
+        return gelu_tanh_and_mul(gate_up)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from flashrec_core.spec import AttentionSpec
+
 if TYPE_CHECKING:
     from flashrec_core.layers.batch import ForwardBatch
 
@@ -25,10 +27,20 @@ def split_qkv(
 
 
 class Attention(nn.Module):
-    """Scaled dot-product attention over the paged KV pool through the batch's backend."""
+    """Scaled dot-product attention over the paged KV pool through the batch's backend.
+
+    `spec` is the layer's `AttentionSpec` (contract v2: scale, soft-cap, sliding window), or a
+    bare scale (v1). The backend was planned for `ModelConfig.attention_spec(layer_id)`; the
+    conformance suite checks that the two agree.
+    """
 
     def __init__(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, layer_id: int, scale: float
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_id: int,
+        spec: AttentionSpec | float,
     ) -> None:
         super().__init__()
         assert num_q_heads % num_kv_heads == 0, "GQA needs q heads to be a multiple of kv heads"
@@ -36,7 +48,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_id = layer_id
-        self.scale = scale
+        self.spec = spec if isinstance(spec, AttentionSpec) else AttentionSpec(scale=float(spec))
+        self.scale = self.spec.scale
 
     def forward(
         self,

@@ -47,6 +47,7 @@ class LayerNorm(nn.Module):
             if bias
             else None
         )
+        self.identity_weight = 1.0  # the stored weight of a norm that only normalizes
         self.quantize_output = quantize_output
         self.fused_kernel = fused_kernel if quantize_output else None
 

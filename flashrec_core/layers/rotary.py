@@ -129,15 +129,15 @@ class RotaryEmbedding(nn.Module):
             self.fused_kernel(
                 q, k, v, batch.positions, self.cos_sin_cache,
                 pool.k_cache[layer_id], pool.v_cache[layer_id], batch.out_cache_loc,
-                q_norm_weight=None if q_norm is None else q_norm.weight,
-                k_norm_weight=None if k_norm is None else k_norm.weight,
+                q_norm_weight=None if q_norm is None else q_norm.gain(),
+                k_norm_weight=None if k_norm is None else k_norm.gain(),
                 eps=q_norm.eps if q_norm is not None else 1e-6,
                 rotary_dim=self.rotary_dim,
             )  # fmt: skip
             return q, k, True
         if q_norm is not None:
-            q = rms_norm(q, q_norm.weight, q_norm.eps)
+            q = rms_norm(q, q_norm.weight, q_norm.eps, q_norm.weight_offset)
         if k_norm is not None:
-            k = rms_norm(k, k_norm.weight, k_norm.eps)
+            k = rms_norm(k, k_norm.weight, k_norm.eps, k_norm.weight_offset)
         cos, sin = self.cos_sin_cache[batch.positions].chunk(2, dim=-1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), False

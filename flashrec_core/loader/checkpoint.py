@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class CheckpointError(ValueError):
@@ -40,21 +40,19 @@ class Checkpoint:
             return files
         single = self.root / "model.safetensors"
         if single.is_file():
-            with safe_open(single, framework="pt") as f:
-                return dict.fromkeys(f.keys(), single)
+            return dict.fromkeys(_tensor_names(single), single)
         shards = sorted(self.root.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.root} holds no *.safetensors files")
         files: dict[str, Path] = {}
         for shard in shards:
-            with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
-                    if name in files:
-                        raise CheckpointError(
-                            f"tensor '{name}' is in both {files[name].name} and {shard.name} "
-                            f"under {self.root}; remove one copy or add an index.json"
-                        )
-                    files[name] = shard
+            for name in _tensor_names(shard):
+                if name in files:
+                    raise CheckpointError(
+                        f"tensor '{name}' is in both {files[name].name} and {shard.name} "
+                        f"under {self.root}; remove one copy or add an index.json"
+                    )
+                files[name] = shard
         return files
 
     def __enter__(self) -> Checkpoint:
@@ -79,10 +77,13 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         path = self.files[name]
         handle = self._handles.get(path)
-        if handle is None:
-            handle = self._stack.enter_context(safe_open(path, framework="pt"))
-            self._handles[path] = handle
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        try:
+            if handle is None:
+                handle = self._stack.enter_context(safe_open(path, framework="pt"))
+                self._handles[path] = handle
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(path, exc, f"tensor '{name}'") from exc
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in set(self.files.values()))
@@ -90,3 +91,19 @@ class Checkpoint:
     def iter_names(self) -> Iterator[str]:
         """Names grouped by file, so each shard is opened once and read front to back."""
         yield from sorted(self.files, key=lambda n: (str(self.files[n]), n))
+
+
+def _tensor_names(path: Path) -> list[str]:
+    """The tensor names in one safetensors file's header."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(path, exc, "header") from exc
+
+
+def _unreadable(path: Path, exc: Exception, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: cannot read the safetensors {what} ({exc}); the file is truncated or corrupt: "
+        "copy or download it again"
+    )

@@ -6,6 +6,11 @@ dim, at the offsets of the module's `output_sizes`), what is renamed, ignored or
 keep their scales (concatenated per output channel, never requantized); BF16 weights are
 quantized per output channel when the model was built with FP8 linears. Strict: every parameter
 is loaded exactly once and every checkpoint tensor is used or explicitly ignored.
+
+Layouts that are not a concatenation along the output dim (stacked experts, transposed or split
+tensors) belong to a module with a weight hook (contract v2, `flashrec_core.spec.WeightHook`):
+every checkpoint tensor under that module goes to its `load_checkpoint_tensor`, and the loader
+checks that the hook received exactly the names its `checkpoint_tensors()` lists.
 """
 
 from __future__ import annotations
@@ -59,14 +64,33 @@ class WeightLoader:
         self.modules = dict(model.named_modules())
         self.tied = {p for p, _ in self.wmap.tied} if config.tie_word_embeddings else set()
         self.loaded: dict[tuple[str, int], str] = {}
+        self.hooks = {
+            name: m for name, m in self.modules.items() if hasattr(m, "load_checkpoint_tensor")
+        }
+        self.hooked: dict[str, dict[str, str]] = {name: {} for name in self.hooks}
+        """hook module -> {relative name it received: checkpoint name}"""
+
+    def _rename(self, name: str) -> str:
+        for old, new in self.wmap.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def hook_for(self, name: str) -> tuple[str, str] | None:
+        """(hook module, name relative to it) when a weight hook loads checkpoint tensor `name`."""
+        if not self.hooks:
+            return None
+        mapped = self._rename(name)
+        parts = mapped.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = ".".join(parts[:cut])
+            if module in self.hooks:
+                return module, ".".join(parts[cut:])
+        return None
 
     def target(self, name: str) -> Target:
         """The destination of checkpoint tensor `name` after renames and bucket merges."""
-        mapped = name
-        for old, new in self.wmap.renames:
-            if mapped.startswith(old):
-                mapped = new + mapped[len(old) :]
-                break
+        mapped = self._rename(name)
         module, _, kind = mapped.rpartition(".")
         for bucket in self.wmap.buckets:
             for shard, source in enumerate(bucket.sources):
@@ -85,15 +109,23 @@ class WeightLoader:
         scales = {n for n in ckpt.keys() if n.endswith(SCALE_SUFFIXES)}
         ignored = 0
         used_scales: set[str] = set()
+        for name in ckpt.keys():
+            hooked = self.hook_for(name)
+            if hooked is not None and not self.is_ignored(name):
+                self._load_hooked(ckpt, name, *hooked)
         for name in _progress(names, ckpt, show_progress):
             if self.is_ignored(name):
                 ignored += 1
+                continue
+            if self.hook_for(name) is not None:
                 continue
             target = self.target(name)
             if target.param in self.tied:
                 continue
             self._load_one(ckpt, name, target, used_scales)
         for name in sorted(scales - used_scales):
+            if self.hook_for(name) is not None:
+                continue
             if not self.is_ignored(name):
                 raise CheckpointError(
                     f"{ckpt.file_of(name)}: scale tensor '{name}' has no FP8 weight to go with"
@@ -102,6 +134,23 @@ class WeightLoader:
         self._check_complete(ckpt)
         seconds = time.perf_counter() - start
         return LoadReport(len(names), ignored, ckpt.total_bytes(), seconds)
+
+    def _load_hooked(self, ckpt: Checkpoint, name: str, module: str, rel: str) -> None:
+        where = f"{ckpt.file_of(name)}: tensor '{name}'"
+        hook = self.hooks[module]
+        expected = set(hook.checkpoint_tensors())
+        if rel not in expected:
+            raise CheckpointError(
+                f"{where} is under '{module}', whose weight hook reads only "
+                f"{sorted(expected)[:6]}; remove the tensor or add an ignore rule to the spec"
+            )
+        if rel in self.hooked[module]:
+            raise CheckpointError(f"{where} loads '{module}.{rel}' again")
+        self.hooked[module][rel] = name
+        try:
+            hook.load_checkpoint_tensor(rel, ckpt.get(name))
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{where}: the weight hook of '{module}' failed: {exc}") from exc
 
     def _load_one(self, ckpt: Checkpoint, name: str, target: Target, used: set[str]) -> None:
         where = f"{ckpt.file_of(name)}: tensor '{name}'"
@@ -175,8 +224,13 @@ class WeightLoader:
 
     def _check_complete(self, ckpt: Checkpoint) -> None:
         missing = []
+        for module, hook in self.hooks.items():
+            got = self.hooked[module]
+            missing += [f"{module}.{r}" for r in hook.checkpoint_tensors() if r not in got]
         for pname in self.params:
             if pname in self.tied or pname.endswith(".weight_scale"):
+                continue
+            if any(pname.startswith(m + ".") for m in self.hooks):
                 continue
             module_name, _, kind = pname.rpartition(".")
             module = self.modules[module_name]

@@ -3,9 +3,7 @@
 from flashrec_core.search.beam import (
     BeamLayout,
     Selection,
-    candidate_scores,
     expand_beams,
-    select_beams,
     select_from_rows,
 )
 from flashrec_core.search.catalog import Catalog, CatalogError, build_catalog
@@ -32,11 +30,9 @@ __all__ = [
     "UnconstrainedTrie",
     "build_catalog",
     "build_trie",
-    "candidate_scores",
     "convert_packed_catalog",
     "expand_beams",
     "infer_sid_layout",
     "load_catalog",
-    "select_beams",
     "select_from_rows",
 ]

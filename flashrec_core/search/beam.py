@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from flashrec_kernels import TrieTopK, stable_topk, trie_topk, trie_topk_ref
 
-from flashrec_core.search.trie import Trie, TrieChildren
+from flashrec_core.search.trie import Trie
 
 NEG_INF = float("-inf")
 
@@ -58,15 +58,6 @@ class Selection:
     score: torch.Tensor  # [R] cumulative log-prob (-inf: no valid beam for this row)
 
 
-def candidate_scores(
-    parent_score: torch.Tensor, log_probs: torch.Tensor, children: TrieChildren
-) -> torch.Tensor:
-    """[R, W] cumulative scores of every child slot; invalid children are -inf."""
-    step = log_probs.gather(1, children.codes)
-    step = step.masked_fill(~children.valid, NEG_INF)
-    return parent_score[:, None] + step
-
-
 def expand_beams(
     trie: Trie,
     level: int,
@@ -90,27 +81,6 @@ def expand_beams(
     k_row = min(trie.max_children(level), out.max_width)
     topk = trie_topk if use_kernel else trie_topk_ref
     rows = topk(trie.kernel_level(level), nodes, parent_score, log_probs, k_row, noise)
-    return select_from_rows(rows, parents, out)
-
-
-def select_beams(
-    scores: torch.Tensor,
-    children: TrieChildren,
-    parents: BeamLayout,
-    out: BeamLayout,
-    noise: torch.Tensor | None = None,
-) -> Selection:
-    """Global top-width of each request over its parent rows' candidates.
-
-    `scores` [R_in, W] is laid out by `parents` (one row per request at the first step, the
-    beams afterwards); the result has one row per beam of `out`. Same result as `expand_beams`
-    from already materialized `candidate_scores`.
-    """
-    keys = scores if noise is None else scores + noise
-    # Pre-select per row: a request's top-n takes at most n children from one row.
-    key, pos = stable_topk(keys, min(scores.shape[1], out.max_width))  # [R_in, k_row]
-    score = key if noise is None else scores.gather(1, pos)
-    rows = TrieTopK(key, pos, score, children.codes.gather(1, pos), children.child.gather(1, pos))
     return select_from_rows(rows, parents, out)
 
 

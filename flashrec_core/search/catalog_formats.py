@@ -67,8 +67,7 @@ class _Pairs(list):
 def _read_json_pairs(path: Path) -> list[tuple[str, Any]]:
     """Top-level (key, value) pairs in file order (build_catalog rejects repeated keys)."""
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            top = json.load(f, object_pairs_hook=_Pairs)
+        top = json.loads(read_utf8(path, "catalog"), object_pairs_hook=_Pairs)
     except json.JSONDecodeError as e:
         raise CatalogError(f"catalog {path} is not valid JSON: {e}") from None
     if not isinstance(top, _Pairs) or not top:
@@ -153,8 +152,26 @@ def _csv_fields(text: str, delimiter: str) -> tuple[Sequence[int], list[str], np
     return numbers, delimiter.join(lines).split(delimiter), counts
 
 
+def read_utf8(path: Path, what: str) -> str:
+    """A text file's contents (a UTF-8 BOM is dropped); invalid UTF-8 is an error naming the
+    file and the byte offset."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise CatalogError(
+            f"{what} {path} is not valid UTF-8 (byte {e.start}: {e.object[e.start : e.start + 1]!r}"
+            f"); re-save it as UTF-8"
+        ) from None
+
+
 def _load_csv(path: Path, level_sizes: Sequence[int], delimiter: str) -> Catalog:
-    lines, flat, counts = _csv_fields(path.read_text(encoding="utf-8-sig"), delimiter)
+    lines, flat, counts = _csv_fields(read_utf8(path, "catalog"), delimiter)
+    if len(counts) and counts[0] == 1:
+        name = "tab" if delimiter == "\t" else repr(delimiter)
+        raise CatalogError(
+            f"catalog {path}: line {lines[0]} has 1 field {flat[0][:40]!r}; expected item_id and "
+            f"one code per level separated by {name} (a {path.suffix} file); convert the separator"
+        )
     if len(counts) and not any(_INT.fullmatch(c) for c in flat[1 : counts[0]]):
         # no integer code on the first line: a header such as item_id,c1,c2,c3
         lines, flat, counts = lines[1:], flat[counts[0] :], counts[1:]

@@ -98,13 +98,22 @@ class SidLayout:
             raise SidLayoutError(f"{len(codes)} codes given; this layout has depth {self.depth}")
         return "".join(f"<s_{self.level_names[lvl]}_{int(c)}>" for lvl, c in enumerate(codes))
 
-    def check_catalog_depth(self, depth: int) -> None:
-        """Fail early when a catalog needs more levels than the tokenizer provides."""
+    def check_catalog_depth(
+        self, depth: int, sid_depth: int | None = None, source: str = "the catalog"
+    ) -> None:
+        """Fail early when a catalog needs more levels than the tokenizer provides, or has fewer
+        levels without `sid_depth` saying so (a row missing a code looks just like that)."""
         if depth > self.depth:
             raise SidLayoutError(
-                f"the catalog has SIDs of depth {depth} but the SID layout has only {self.depth} "
+                f"{source} has SIDs of depth {depth} but the SID layout has only {self.depth} "
                 f"levels ({', '.join(self.level_names)}); use a tokenizer with <s_x_N> tokens "
                 f"for {depth} levels or a catalog of depth {self.depth}"
+            )
+        if depth < self.depth and sid_depth is None:
+            raise SidLayoutError(
+                f"{source} has SIDs of depth {depth} but the tokenizer has {self.depth} SID levels "
+                f"({', '.join(self.level_names)}); add the missing codes to the catalog, or pass "
+                f"--sid-depth {depth} to search the first {depth} levels only"
             )
 
 

@@ -8,8 +8,10 @@ Node numbering (shared by both representations):
 | 1 .. depth-1   | distinct prefixes of length d, numbered in lexicographic order  |
 | depth (leaves) | catalog row index (Catalog.codes is sorted, so rows are leaves) |
 
-`children(level, nodes)` only gathers from fixed-width tables: no host sync, no data-dependent
-shapes, so one decode step including the trie mask can be captured in a CUDA graph.
+The decode path reads each level's fixed-width tables (`kernel_level`) through the trie top-k
+kernel or its reference: no host sync, no data-dependent shapes, so one decode step including
+the trie mask can be captured in a CUDA graph. `children(level, nodes)` materializes the same
+padded view for tests and tools.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -43,11 +45,8 @@ class TrieChildren(NamedTuple):
 
 
 class Trie(ABC):
-    """Catalog trie; `children` is the only call on the decode path."""
-
-    # True when column j of `children(...)` is always code j (dense tables): the search can
-    # then mask logits directly instead of gathering them by code.
-    codes_are_positions: ClassVar[bool] = False
+    """Catalog trie. The decode path reads `kernel_level` tables (the trie top-k kernel or its
+    torch reference); `children` materializes one level's children for tests and tools."""
 
     def __init__(self, level_sizes: Sequence[int], num_nodes: Sequence[int], widths: Sequence[int]):
         assert len(num_nodes) == len(level_sizes) + 1 == len(widths) + 1, "one entry per level"
@@ -93,8 +92,6 @@ class Trie(ABC):
 
 class DenseTrie(Trie):
     """Per level a table next[num_nodes, K] of child ids, -1 where the code is absent."""
-
-    codes_are_positions = True
 
     def __init__(self, level_sizes: Sequence[int], tables: Sequence[torch.Tensor], num_sids: int):
         num_nodes = [t.shape[0] for t in tables] + [num_sids]

@@ -15,8 +15,6 @@ from flashrec_core.search.trie import Trie, TrieChildren
 
 
 class UnconstrainedTrie(Trie):
-    codes_are_positions = True
-
     def __init__(self, level_sizes: Sequence[int], device: torch.device | str = "cpu") -> None:
         super().__init__(level_sizes, [1] * (len(level_sizes) + 1), level_sizes)
         self.device = torch.device(device)

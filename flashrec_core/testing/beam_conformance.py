@@ -31,6 +31,13 @@ order change, measured under 2e-6 on a 3-level log-prob; 1e-5 bounds that with 5
 still 100x below the gap between distinct beams that a real bug produces."""
 
 
+def long_text_prompt(config: Any) -> str:
+    """A prompt of more words (one token each) than any sliding window the config declares."""
+    window = config.max_sliding_window() if hasattr(config, "max_sliding_window") else None
+    words = max(24, (window or 0) + 9)
+    return " ".join(BASE_WORDS[(i * 7) % len(BASE_WORDS)] for i in range(words))
+
+
 def write_catalog(path: Path, codes: list[tuple[int, ...]]) -> Path:
     path.write_text(json.dumps({",".join(map(str, c)): f"item-{i}" for i, c in enumerate(codes)}))
     return path
@@ -68,7 +75,8 @@ class BeamSearchConformance:
         path, hf = tiny_checkpoint(self.spec, example, LEVELS)
         catalog = write_catalog(tmp_path / "catalog.json", random_codes(400, seed=n))
         engine = create_engine(path, catalog, sid_normalization=normalization)
-        requests = [engine.make_request(prompt=p, n=n) for p in PROMPTS]
+        prompts = (*PROMPTS, long_text_prompt(engine.runner.config))
+        requests = [engine.make_request(prompt=p, n=n) for p in prompts]
         for req, res in zip(requests, engine.generate(requests)):
             got = [(c.codes, c.logprob) for c in res.choices]
             ref = hf_beam_search(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +51,29 @@ def build_tokenizer(level_sizes: Sequence[int], *, boundary: bool = True, chat: 
     return fast
 
 
-def build_hf_model(hf_config: Mapping[str, Any], seed: int = 0, init_std: float = 0.1):
+NormIdentity = Callable[[str], "float | None"]
+"""checkpoint tensor name -> the stored value of a norm weight that only normalizes (1.0 for
+`weight * x`, 0.0 for `(1 + weight) * x`), or None when the tensor is not a norm weight."""
+
+
+def _name_heuristic(name: str) -> float | None:
+    """Fallback for norms whose layer declares no `identity_weight` (v1 plugins)."""
+    parts = name.split(".")
+    if name.endswith("norm.weight") or "layernorm" in name or "ln" in parts:
+        return 1.0 if name.endswith("weight") else None
+    return None
+
+
+def build_hf_model(
+    hf_config: Mapping[str, Any], seed: int = 0, init_std: float = 0.1,
+    norm_identity: NormIdentity | None = None,
+):  # fmt: skip
     """A random-weight transformers model from a config dict (no download).
 
     init_std is larger than HF's 0.02 so that tiny models have peaked next-token distributions:
-    near-uniform log-probs would make beam rankings hinge on 1e-6 differences.
+    near-uniform log-probs would make beam rankings hinge on 1e-6 differences. Norm weights are
+    drawn around each norm's own identity (`norm_identity`, from the spec's layers), so a gain
+    stays near 1 whichever way a family stores it, and a missing norm is still visible.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,13 +84,22 @@ def build_hf_model(hf_config: Mapping[str, Any], seed: int = 0, init_std: float 
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # norms start at 1.0 in HF; randomize so a missing norm is visible
+    identity = norm_identity or _name_heuristic
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or "ln" in name.split("."):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            center = identity(name)
+            if center is not None:
+                p.copy_(center + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model.eval()
+
+
+def write_published_config(path: Path, hf_config: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """config.json as a published checkpoint has it: the example's keys and the dtype, not every
+    default transformers would fill in, so the spec's parser meets its own defaults."""
+    name = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": name}, indent=2))
 
 
 def write_tiny_checkpoint(
@@ -84,6 +111,7 @@ def write_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     boundary: bool = True,
     chat: bool = True,
+    norm_identity: NormIdentity | None = None,
 ):
     """Write config.json + model.safetensors + tokenizer files; returns the HF model (fp32)."""
     path = Path(path)
@@ -92,11 +120,39 @@ def write_tiny_checkpoint(
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens but vocab_size is {hf_config['vocab_size']}"
         )
-    model = build_hf_model(hf_config, seed=seed)
+    model = build_hf_model(hf_config, seed=seed, norm_identity=norm_identity)
     model.to(dtype).save_pretrained(path, safe_serialization=True)
+    write_published_config(path, hf_config, dtype)
     tokenizer.save_pretrained(path)
     model.float()
     return model
+
+
+def spec_norm_identity(spec: Any, hf_config: Mapping[str, Any]) -> NormIdentity:
+    """The identity value of each checkpoint norm weight, as the spec's own layers declare it
+    (`identity_weight` on the module a tensor loads into); the name heuristic otherwise."""
+    from flashrec_core.config import EngineConfig
+    from flashrec_core.engine import create_build_context
+    from flashrec_core.loader import WeightLoader
+
+    config = spec.parse_config(hf_config)
+    cfg = EngineConfig(
+        model_path="<none>", device="cpu", dtype="float32", quantization="none",
+        kv_cache_dtype="float32", attention_backend="torch",
+    )  # fmt: skip
+    ctx, _ = create_build_context(spec, cfg)
+    model = spec.load_model_class()(config, ctx)
+    loader = WeightLoader(model, spec, config)
+    modules = dict(model.named_modules())
+
+    def identity(name: str) -> float | None:
+        if not name.endswith(".weight") or loader.hook_for(name) is not None:
+            return None
+        module = modules.get(loader.target(name).module)
+        declared = getattr(module, "identity_weight", None)
+        return float(declared) if declared is not None else _name_heuristic(name)
+
+    return identity
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

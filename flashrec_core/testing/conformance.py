@@ -22,9 +22,10 @@ import torch
 from flashrec_core.engine import create_build_context
 from flashrec_core.layers import FP8_DTYPE
 from flashrec_core.loader import WeightLoader
-from flashrec_core.spec import CONTRACT_VERSION, ExampleConfig, FusedPath, ModelSpec
+from flashrec_core.spec import SUPPORTED_CONTRACTS, ExampleConfig, FusedPath, ModelSpec
 from flashrec_core.testing.beam_conformance import BeamSearchConformance
 from flashrec_core.testing.fp8_checkpoint import write_fp8_checkpoint
+from flashrec_core.testing.gpu_conformance import GpuConformance
 from flashrec_core.testing.oracle import (
     assert_close_to_reference,
     create_runner,
@@ -42,21 +43,40 @@ per GEMM, which partially averages out; 15% leaves room for 2 layers of compound
 
 PROMPTS = ([5, 9, 17, 23, 8, 41, 30, 12, 7], [44, 3], [11, 12, 13, 14, 15], [20])
 CONTINUATIONS = ([6, 18, 33, 2, 9], [10, 10, 4, 21, 37], [50, 1, 8, 8, 19], [3, 4, 5, 6, 7])
+LONG_PROMPT = 40
+"""Tokens of the long prompt every logits test adds; longer still past a declared window."""
 
 
-class ModelConformance(BeamSearchConformance):
-    """Shared checks for one ModelSpec; subclasses set `spec`. Beam-search checks are inherited."""
+def long_prompt_len(config: Any) -> int:
+    """Longer than any sliding window the config declares (by more than a decode's 5 steps)."""
+    window = config.max_sliding_window() if hasattr(config, "max_sliding_window") else None
+    return max(LONG_PROMPT, (window or 0) + 9)
+
+
+def prompts_for(config: Any) -> tuple[tuple[list[int], ...], tuple[list[int], ...]]:
+    """The fixed prompts plus one longer than any window, and a continuation for each."""
+    length = long_prompt_len(config)
+    long = [3 + (i * 7919) % 52 for i in range(length)]  # word-vocab ids, deterministic
+    prompts = (*[list(p) for p in PROMPTS], long)
+    return prompts, (*[list(c) for c in CONTINUATIONS], [9, 8, 7, 6, 5])
+
+
+class ModelConformance(BeamSearchConformance, GpuConformance):
+    """Shared checks for one ModelSpec; subclasses set `spec`. Beam-search checks and the GPU
+    tier (marked `gpu`, skipped without CUDA) are inherited."""
 
     spec: ClassVar[ModelSpec]
 
     def test_spec_is_valid(self) -> None:
         spec = self.spec
         assert isinstance(spec, ModelSpec), f"{spec!r} does not satisfy the ModelSpec protocol"
-        assert spec.contract_version == CONTRACT_VERSION
+        assert spec.contract_version in SUPPORTED_CONTRACTS, spec.contract_version
         assert spec.architectures and all(a.endswith("ForCausalLM") for a in spec.architectures)
         assert len(spec.examples) >= 2, "give at least two tiny example configs (tied, untied)"
-        assert any(e.hf_config.get("tie_word_embeddings") for e in spec.examples)
-        assert any(not e.hf_config.get("tie_word_embeddings") for e in spec.examples)
+        configs = [spec.parse_config(e.hf_config) for e in spec.examples]
+        # parsed, not the dicts: an example may rely on the family's default
+        assert any(c.tie_word_embeddings for c in configs), "no example with tied embeddings"
+        assert any(not c.tie_word_embeddings for c in configs), "no example with an untied head"
         names = [c.name for c in spec.capabilities]
         assert len(names) == len(set(names)), f"duplicate capabilities: {names}"
         assert all(isinstance(c, FusedPath) for c in spec.capabilities)
@@ -108,34 +128,58 @@ class ModelConformance(BeamSearchConformance):
             assert any(p.data_ptr() == head.data_ptr() for p in embeds)
             assert torch.equal(head, embed.to(head.dtype))
 
+    def test_attention_specs_agree_with_config(self, example: ExampleConfig) -> None:
+        """Every Attention module attends as `ModelConfig.attention_spec(layer)` declares (what
+        the backends plan with)."""
+        from flashrec_core.layers import Attention
+
+        model, config = _build_empty(self.spec, example, fp8=False)
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        assert len(attns) == config.num_layers, f"{len(attns)} Attention modules"
+        for m in attns:
+            declared = config.attention_spec(m.layer_id)
+            assert m.spec == declared, f"layer {m.layer_id}: module {m.spec} vs config {declared}"
+
     def test_prefill_logits_match_transformers(
         self, example: ExampleConfig, tiny_checkpoint
     ) -> None:
         path, hf = tiny_checkpoint(self.spec, example)
         runner = create_runner(path)
-        got = engine_prefill_logits(runner, PROMPTS)
-        for i, (g, r) in enumerate(zip(got, hf_logits(hf, PROMPTS))):
-            assert_close_to_reference(g, r, PARITY_REL, f"prefill logits of prompt {i}")
+        prompts, _ = prompts_for(runner.config)
+        got = engine_prefill_logits(runner, prompts)
+        for i, (g, r) in enumerate(zip(got, hf_logits(hf, prompts))):
+            what = (
+                f"torch attention backend, prefill logits of prompt {i} ({len(prompts[i])} tokens)"
+            )
+            assert_close_to_reference(g, r, PARITY_REL, what)
 
     def test_decode_logits_match_transformers(
         self, example: ExampleConfig, tiny_checkpoint
     ) -> None:
         path, hf = tiny_checkpoint(self.spec, example)
         runner = create_runner(path)
-        got = engine_decode_logits(runner, PROMPTS, CONTINUATIONS)
-        full = [list(p) + list(c) for p, c in zip(PROMPTS, CONTINUATIONS)]
+        prompts, continuations = prompts_for(runner.config)
+        got = engine_decode_logits(runner, prompts, continuations)
+        full = [list(p) + list(c) for p, c in zip(prompts, continuations)]
         for i, (g, r) in enumerate(zip(got, hf_logits(hf, full))):
-            steps = len(CONTINUATIONS[i])
-            assert_close_to_reference(g, r[-steps:], PARITY_REL, f"decode logits of sequence {i}")
+            steps = len(continuations[i])
+            what = f"torch attention backend, decode logits of sequence {i} ({len(full[i])} tokens)"
+            assert_close_to_reference(g, r[-steps:], PARITY_REL, what)
         assert runner.allocator.num_free == runner.allocator.num_slots - 1, "slots leaked"
 
     def test_fp8_error_is_bounded(self, example: ExampleConfig, tiny_checkpoint) -> None:
         path, hf = tiny_checkpoint(self.spec, example)
         runner = create_runner(path, quantization="fp8")
         assert any(p.dtype == FP8_DTYPE for p in runner.model.parameters()), "no FP8 weights"
-        for g, r in zip(engine_prefill_logits(runner, PROMPTS), hf_logits(hf, PROMPTS)):
+        prompts, _ = prompts_for(runner.config)
+        for i, (g, r) in enumerate(
+            zip(engine_prefill_logits(runner, prompts), hf_logits(hf, prompts))
+        ):
             rel = ((g - r).norm() / r.norm()).item()
-            assert rel < FP8_REL_L2, f"FP8 logits relative L2 error {rel:.3f} >= {FP8_REL_L2}"
+            assert rel < FP8_REL_L2, (
+                f"FP8 W8A8 GEMM path (eager quantization, no fused kernel): prompt {i} logits "
+                f"relative L2 error {rel:.3f} >= {FP8_REL_L2} vs fp32 transformers"
+            )
 
     def test_fp8_checkpoint_loads_like_online_quantization(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
@@ -181,39 +225,44 @@ class ModelConformance(BeamSearchConformance):
             assert torch.all(module.weight_scale[rows] == scale.float()), f"{name}: scale"
 
     def test_fused_paths_equal_eager(self, example: ExampleConfig, tiny_checkpoint) -> None:
-        """Each enabled fused path (Triton, interpreted on CPU) == its eager fallback."""
+        """Each fused path (Triton, interpreted on CPU) alone == the eager fallback; a failure
+        names the path and its kernel."""
         if not self.spec.capabilities:
             pytest.skip("the spec declares no fused paths")
         pytest.importorskip("triton")
         path, _ = tiny_checkpoint(self.spec, example)
-        script = textwrap.dedent(_FUSED_SCRIPT).format(path=str(path), prompts=list(PROMPTS[:2]))
+        prompts = [list(p) for p in PROMPTS[:2]]
+        script = textwrap.dedent(_FUSED_SCRIPT).format(path=str(path), prompts=prompts)
         env = {**os.environ, "TRITON_INTERPRET": "1"} if not torch.cuda.is_available() else None
         proc = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
         )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
 
 
 _FUSED_SCRIPT = """
 import torch
 from flashrec_core.testing.oracle import create_runner, engine_prefill_logits, assert_close_to_reference
 cuda = torch.cuda.is_available()
-# fp32 activations and torch attention on both devices: the two runners then differ only in the
+# fp32 activations and torch attention on both devices: the runners then differ only in the
 # fused kernels (FlashInfer has no kernels for the examples' head_dim 16; bf16 would add rounding
 # points the fused kernels skip). The GPU tier checks the bf16 + FlashInfer paths end to end.
 common = dict(device="cuda" if cuda else "cpu", triton_on_cpu=not cuda, quantization="fp8",
               dtype="float32", attention_backend="torch")
-fused = create_runner({path!r}, **common)
-assert fused.loaded.context.fused, "no fused path resolved on; expected at least one"
-eager = create_runner({path!r}, **common, enable_fused_rms_fp8=False, enable_fused_silu_fp8=False,
-                      enable_fused_qk_rope_kv=False,
-                      disabled_fused=tuple(c.switch for c in fused.loaded.spec.capabilities))
-assert not eager.loaded.context.fused
+switches = sorted({{c.switch for c in create_runner({path!r}, **common).loaded.spec.capabilities}})
+eager = create_runner({path!r}, **common, disabled_fused=tuple(switches))
+assert not eager.loaded.context.fused, eager.loaded.context.fused
 prompts = {prompts}
-for g, r in zip(engine_prefill_logits(fused, prompts), engine_prefill_logits(eager, prompts)):
-    # same math, same FP8 rounding points; only fp32 summation order differs
-    assert_close_to_reference(g, r, 1e-3, "fused vs eager logits")
-print("fused paths:", sorted(fused.loaded.context.fused))
+reference = engine_prefill_logits(eager, prompts)
+for switch in switches:
+    only = create_runner({path!r}, **common, disabled_fused=tuple(s for s in switches if s != switch))
+    paths = sorted(only.loaded.context.fused)
+    assert paths, f"{{switch}}: no fused path resolved on"
+    kernels = [c.kernel for c in only.loaded.spec.capabilities if c.name in paths]
+    for g, r in zip(engine_prefill_logits(only, prompts), reference):
+        # same math, same FP8 rounding points; only fp32 summation order differs
+        assert_close_to_reference(g, r, 1e-3, f"fused path {{paths}} ({{kernels}}) vs eager")
+    print("fused path ok:", paths)
 """
 
 

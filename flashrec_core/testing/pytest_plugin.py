@@ -36,15 +36,23 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """Factory: (spec, example, level_sizes=(16,16,16)) -> (checkpoint dir, fp32 HF model).
 
     Cached per session: each example checkpoint is written once by transformers."""
-    from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+    from flashrec_core.testing.checkpoint import spec_norm_identity, write_tiny_checkpoint
 
     cache: dict[Any, tuple[Path, Any]] = {}
 
-    def make(spec: Any, example: Any, level_sizes: tuple[int, ...] = (16, 16, 16)):
-        key = (spec.name, example.name, level_sizes)
+    def make(
+        spec: Any, example: Any, level_sizes: tuple[int, ...] = (16, 16, 16),
+        hf_config: Any = None, tag: str = "",
+    ):  # fmt: skip
+        """hf_config replaces the example's (e.g. its GPU shape); tag keys that variant."""
+        key = (spec.name, example.name, level_sizes, tag)
         if key not in cache:
-            path = tmp_path_factory.mktemp(f"{spec.name}-{example.name}")
-            hf = write_tiny_checkpoint(path, example.hf_config, level_sizes=level_sizes)
+            config = hf_config if hf_config is not None else example.hf_config
+            path = tmp_path_factory.mktemp(f"{spec.name}-{example.name}{tag}")
+            hf = write_tiny_checkpoint(
+                path, config, level_sizes=level_sizes,
+                norm_identity=spec_norm_identity(spec, config),
+            )  # fmt: skip
             cache[key] = (path, hf)
         return cache[key]
 

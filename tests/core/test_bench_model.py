@@ -76,3 +76,18 @@ def test_result_check_counts_beams_off_the_catalog() -> None:
         path_scores=torch.tensor([[-1.0] * 3, [-2.0] * 3, [-3.0] * 3, [float("-inf")] * 3]),
     )
     assert _check_results([out], catalog) == {"invalid_sids": 1, "dead_beams": 1}
+
+
+def test_random_model_builds_a_runner_on_cpu() -> None:
+    """The bench's model path resolves every "auto" (beam_attention included) before the runner."""
+    from flashrec_core.bench.workload import random_model
+    from flashrec_core.config import EngineConfig
+    from flashrec_core.engine.model_runner import ModelRunner
+
+    shape = load_shape("qwen3-small", None)
+    shape = {**shape, "num_hidden_layers": 1}
+    cfg = EngineConfig(model_path="<random>", device="cpu", kv_cache_tokens=256, max_requests=4)
+    runner = ModelRunner(random_model(shape, cfg))
+    assert (
+        runner.beam_attention == "cascade" and runner.loaded.engine_config.triton_kernels is False
+    )

@@ -26,6 +26,7 @@ PLUGIN_KEYS = {
     "version",
     "architectures",
     "capabilities",
+    "contract",
     "status",
     "error",
 }
@@ -53,6 +54,15 @@ import flashrec_fake_missing_dependency_xyz  # ModuleNotFoundError at import
 """
 NOT_A_SPEC_PLUGIN = """
 spec = {"name": "notaspec"}  # a dict, not a ModelSpec
+"""
+V1_PLUGIN = """
+from flashrec_core.spec import BaseModelSpec, WeightMap
+
+# written against contract v1 (and its then-required hf_config_class): loads unchanged
+spec = BaseModelSpec(
+    name="vone", architectures=("VOneForCausalLM",), config_parser=dict,
+    weight_map=WeightMap(), model_class="x:Y", hf_config_class="x:Y", contract_version=1,
+)
 """
 OLD_CONTRACT_PLUGIN = """
 from flashrec_core.spec import BaseModelSpec, WeightMap
@@ -85,6 +95,7 @@ print(json.dumps(out))
 ARCHS = [
     "Qwen3ForCausalLM", "FakeGoodForCausalLM", "DupForCausalLM", "BrokenForCausalLM",
     "NotASpecForCausalLM", "OldForCausalLM", "MisnamedForCausalLM", "NobodyForCausalLM",
+    "VOneForCausalLM",
 ]  # fmt: skip
 
 
@@ -111,6 +122,7 @@ FAKE_DISTS = [  # (distribution, version, architecture, plugin module, module so
     ("flashrec-models-broken", "0.3.0", "BrokenForCausalLM", "fake_broken", BROKEN_PLUGIN),
     ("flashrec-models-notaspec", "0.1.0", "NotASpecForCausalLM", "fake_nospec", NOT_A_SPEC_PLUGIN),
     ("flashrec-models-oldcontract", "0.1.0", "OldForCausalLM", "fake_old", OLD_CONTRACT_PLUGIN),
+    ("flashrec-models-vone", "0.1.0", "VOneForCausalLM", "fake_vone", V1_PLUGIN),
     # entry point named MisnamedForCausalLM, but the spec serves FakeGoodForCausalLM
     ("flashrec-models-misnamed", "0.1.0", "MisnamedForCausalLM", "fake_misnamed", GOOD_PLUGIN),
 ]  # fmt: skip
@@ -160,7 +172,7 @@ def test_fake_plugin_discovered_with_metadata(discovered: dict) -> None:
     assert good == {
         "name": "fakegood", "distribution": "flashrec-models-fakegood", "version": "1.2.3",
         "architectures": ["FakeGoodForCausalLM"], "capabilities": ["rms_norm_fp8", "silu_mul_fp8"],
-        "status": "ok", "error": None,
+        "contract": 2, "status": "ok", "error": None,
     }  # fmt: skip
     assert discovered["resolve"]["FakeGoodForCausalLM"] == {"ok": True, "name": "fakegood"}
     qwen = discovered["by_dist"]["flashrec-models-qwen3"]
@@ -213,6 +225,15 @@ def test_plugin_with_wrong_contract_version_has_error_status(discovered: dict) -
     assert "flashrec-models-oldcontract" in old["error"] and "v999" in old["error"]
     res = discovered["resolve"]["OldForCausalLM"]
     assert res["type"] == "RegistryError" and "v999" in res["cause_msg"]
+
+
+def test_contract_v1_plugin_loads_and_says_so(discovered: dict) -> None:
+    vone = discovered["by_dist"]["flashrec-models-vone"]
+    assert vone["status"] == "ok" and vone["contract"] == 1
+    assert discovered["resolve"]["VOneForCausalLM"] == {"ok": True, "name": "vone"}
+    assert discovered["by_dist"]["flashrec-models-fakegood"]["contract"] == 2
+    assert discovered["by_dist"]["flashrec-models-oldcontract"]["contract"] is None
+    assert "loads v1, v2" in discovered["by_dist"]["flashrec-models-oldcontract"]["error"]
 
 
 def test_read_architecture_override_wins(tmp_path: Path) -> None:

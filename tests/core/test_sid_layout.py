@@ -133,9 +133,12 @@ def test_depth_conflicts() -> None:
 def test_check_catalog_depth() -> None:
     layout = infer_sid_layout(make_vocab([4, 3]))
     layout.check_catalog_depth(2)
-    layout.check_catalog_depth(1)
+    layout.check_catalog_depth(1, sid_depth=1)
     with pytest.raises(SidLayoutError, match="catalog has SIDs of depth 3 but the SID layout has"):
         layout.check_catalog_depth(3)
+    # a shallower catalog needs --sid-depth: a row missing a code looks just like it
+    with pytest.raises(SidLayoutError, match="depth 1 but the tokenizer has 2 .* --sid-depth 1"):
+        layout.check_catalog_depth(1)
 
 
 def test_layout_validates_itself() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashrec_core.attention import TorchAttentionBackend
-from flashrec_core.attention.triton_beam import BeamKernelMetadata, TritonBeamAttention
+from flashrec_core.attention import TorchAttentionBackend, window_shared_prefix
+from flashrec_core.attention.triton_beam import BeamKernelPlan, TritonBeamAttention
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.engine import Engine
@@ -16,6 +16,7 @@ from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import ForwardBatch
 from flashrec_core.registry import Registry
+from flashrec_core.spec import AttentionSpec
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 
@@ -48,10 +49,46 @@ def _beam_step(kv_dtype: torch.dtype, widths: tuple[int, ...] = (3, 1, 5)):
     return pool, step, qkv[:, : HQ * D].view(rows, HQ, D)  # strided, as models pass it
 
 
-def _attend(backend, step, pool, q) -> torch.Tensor:
+def _attend(backend, step, pool, q, scale: float = D**-0.5) -> torch.Tensor:
     meta = backend.plan(step)
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
-    return backend.forward(q, 0, D**-0.5, batch).float()
+    return backend.forward(q, 0, scale, batch).float()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(scale=0.3, logit_softcap=1.5),
+        AttentionSpec(scale=D**-0.5, sliding_window=5),  # prompts of 7 and 12 slots cross it
+        AttentionSpec(scale=0.3, logit_softcap=1.5, sliding_window=4),
+    ],
+    ids=["softcap", "window", "softcap-window"],
+)
+def test_layer_spec_in_beam_steps_matches_the_torch_backend(spec: AttentionSpec) -> None:
+    """Contract v2 on the beam path: the kernel's soft-cap and the windowed prompt level equal
+    the torch reference's masked, capped attention over the flat slot lists."""
+    pool, step, q = _beam_step(torch.bfloat16)
+    torch_backend = TorchAttentionBackend(CPU, layers=(spec,))
+    triton = TritonBeamAttention(
+        torch_backend, CPU, max_rows=64, max_prompt_slots=256, layers=(spec,), head_dim=D
+    )
+    ref = _attend(torch_backend, step, pool, q.float(), spec.scale)
+    got = _attend(triton, step, pool, q, spec.scale)
+    plain = _attend(TorchAttentionBackend(CPU), step, pool, q.float(), spec.scale)
+    assert (got - ref).abs().max().item() < ATOL
+    assert (plain - ref).abs().max().item() > 10 * ATOL, "the spec changed nothing here"
+
+
+def test_window_shared_prefix_keeps_the_last_prompt_slots() -> None:
+    _, step, _ = _beam_step(torch.bfloat16)
+    sp = step.shared_prefix
+    cut = window_shared_prefix(sp, 4)  # own slots: 2 (history + own), so 2 prompt slots remain
+    assert cut.prefix_kv_indptr.tolist() == [0, 2, 3, 5]
+    prompts = sp.prefix_kv_indices
+    assert cut.prefix_kv_indices.tolist() == [*prompts[5:7], prompts[7], *prompts[18:20]]
+    assert window_shared_prefix(sp, None) is sp and window_shared_prefix(sp, 100) is sp
+    with pytest.raises(ValueError, match="window must be longer than the SID depth"):
+        window_shared_prefix(sp, 2)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -59,7 +96,7 @@ def test_beam_step_matches_the_torch_backend(kv_dtype: torch.dtype) -> None:
     pool, step, q = _beam_step(kv_dtype)
     torch_backend = TorchAttentionBackend(CPU)
     triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
-    assert isinstance(triton.plan(step), BeamKernelMetadata)
+    assert isinstance(triton.plan(step), BeamKernelPlan)
     ref = _attend(torch_backend, step, pool, q.float()).view(q.shape[0], -1)
     got = _attend(triton, step, pool, q).view(q.shape[0], -1)
     assert (got - ref).abs().max().item() < ATOL
@@ -73,8 +110,11 @@ def test_graph_buffers_give_the_eager_result() -> None:
     eager = _attend(triton, step, pool, q)
     for _ in range(2):  # re-planning into the same buffers
         meta = triton.plan(step, graph=triton.graph_attention(3, 12))
-        assert meta.prefix_indptr.data_ptr() == triton._graph_buffers["prefix_indptr"].data_ptr()
-        assert meta.max_rows_per_request == 4
+        [group] = meta.per_group
+        assert (
+            group.prefix_indptr.data_ptr() == triton._graph_buffers[0]["prefix_indptr"].data_ptr()
+        )
+        assert group.max_rows_per_request == 4
         batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, triton, meta)
         assert torch.equal(triton.forward(q, 0, D**-0.5, batch).float(), eager)
 
@@ -83,7 +123,7 @@ def test_other_steps_go_to_the_wrapped_backend() -> None:
     torch_backend = TorchAttentionBackend(CPU)
     triton = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
     step = prepare_prefill([[1, 2, 3]], [torch.tensor([5, 6, 7])])
-    assert not isinstance(triton.plan(step), BeamKernelMetadata)
+    assert not isinstance(triton.plan(step), BeamKernelPlan)
 
 
 def test_generate_with_triton_beam_steps_matches_cascade(tmp_path: Path) -> None:
@@ -136,28 +176,28 @@ def test_triton_beam_steps_need_triton_here(tmp_path: Path) -> None:
         model_path=str(tmp_path), device="cpu", show_progress=False, kv_cache_tokens=1024,
         beam_attention="triton",
     )  # fmt: skip
-    with pytest.raises(ValueError, match="beam_attention='triton' needs Triton"):
+    with pytest.raises(ValueError, match="--beam-attention triton needs Triton kernels here"):
         Engine.from_config(cfg, SearchConfig())
 
 
 @pytest.mark.parametrize(
-    ("overrides", "head_dim", "kv_dtype", "expected", "why"),
+    ("overrides", "head_dim", "kv", "expected", "why"),
     [
-        ({}, 128, torch.float8_e4m3fn, "triton", "auto"),
-        ({}, 64, torch.bfloat16, "triton", "auto"),
-        ({"device": "cpu"}, 128, torch.bfloat16, "cascade", "device is cpu"),
-        ({"cascade_attention": False}, 128, torch.bfloat16, "cascade", "flat per-beam"),
-        ({"dtype": "float16"}, 128, torch.float16, "cascade", "bf16 queries"),
-        ({}, 80, torch.bfloat16, "cascade", "head_dim 80"),
-        ({"beam_attention": "cascade"}, 128, torch.bfloat16, "cascade", "asked for"),
-        ({"beam_attention": "triton", "device": "cpu"}, 80, torch.float32, "triton", "asked for"),
+        ({}, 128, "fp8_e4m3", "triton", "auto"),
+        ({}, 64, "bfloat16", "triton", "auto"),
+        ({"device": "cpu"}, 128, "bfloat16", "cascade", "device is cpu"),
+        ({"cascade_attention": False}, 128, "bfloat16", "cascade", "flat per-beam"),
+        ({"dtype": "float16"}, 128, "float16", "cascade", "bf16 queries"),
+        ({}, 80, "bfloat16", "cascade", "head_dim 80"),
+        ({"beam_attention": "cascade"}, 128, "bfloat16", "cascade", "asked for"),
     ],
 )  # fmt: skip
 def test_auto_beam_attention_takes_the_kernel_where_it_applies(
-    overrides: dict, head_dim: int, kv_dtype: torch.dtype, expected: str, why: str
+    overrides: dict, head_dim: int, kv: str, expected: str, why: str
 ) -> None:
-    from flashrec_core.engine.model_runner import choose_beam_attention
+    from flashrec_core.config import _resolve_beam_attention
 
-    settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16", **overrides}
-    choice, reason = choose_beam_attention(EngineConfig(**settings), head_dim, kv_dtype)
+    settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16",
+                "kv_cache_dtype": kv, "triton_kernels": True, **overrides}  # fmt: skip
+    choice, reason = _resolve_beam_attention(EngineConfig(**settings), head_dim)
     assert (choice, why in reason) == (expected, True), reason

@@ -10,6 +10,7 @@ from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import ForwardBatch
+from flashrec_core.spec import AttentionSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -30,20 +31,20 @@ def _strided_q(tokens: int) -> torch.Tensor:
     return qkv[:, : HQ * D].view(tokens, HQ, D)
 
 
-def _run(backend, step, pool, q) -> torch.Tensor:
+def _run(backend, step, pool, q, scale: float = D**-0.5) -> torch.Tensor:
     meta = backend.plan(step)
     batch = ForwardBatch(
         step.input_ids.cuda(), step.positions.cuda(), step.out_cache_loc.cuda(), pool, backend, meta
     )
-    return backend.forward(q, 0, D**-0.5, batch).float()
+    return backend.forward(q, 0, scale, batch).float()
 
 
-def _flashinfer(kv_dtype: torch.dtype, cascade: bool):
+def _flashinfer(kv_dtype: torch.dtype, cascade: bool, layers: tuple = ()):
     from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 
     return FlashInferAttentionBackend(
         torch.device("cuda"), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-        q_dtype=torch.bfloat16, kv_dtype=kv_dtype, cascade=cascade,
+        q_dtype=torch.bfloat16, kv_dtype=kv_dtype, cascade=cascade, layers=layers,
     )  # fmt: skip
 
 
@@ -106,5 +107,58 @@ def test_beam_decode_matches_reference(kv_dtype: torch.dtype, cascade: bool) -> 
     ref = _run(TorchAttentionBackend(torch.device("cuda")), step, pool, q)
     backend = _flashinfer(kv_dtype, cascade)
     got = _run(backend, step, pool, q)
-    assert backend.plan(step).kind == ("cascade" if cascade else "decode")
+    assert backend.plan(step).per_group[0].kind == ("cascade" if cascade else "decode")
     assert (got - ref).abs().max().item() < ATOL
+
+
+SPECS = {
+    "softcap": AttentionSpec(scale=0.1, logit_softcap=2.0),
+    "window": AttentionSpec(scale=D**-0.5, sliding_window=48),
+    "softcap-window": AttentionSpec(scale=0.1, logit_softcap=2.0, sliding_window=48),
+}
+
+
+def _beam_step(widths: list[int], prompt_lens: list[int], level: int):
+    start, prompt_slots = 1, []
+    for n in prompt_lens:
+        prompt_slots.append(torch.arange(start, start + n))
+        start += n
+    rows = sum(widths)
+    row_request = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+    history = torch.arange(start, start + rows * level).view(rows, level)
+    own = torch.arange(start + rows * level, start + rows * (level + 1))
+    return prepare_beam_decode(
+        tokens=torch.ones(rows, dtype=torch.int64, device="cuda"),
+        positions=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+        prompts=torch.cat(prompt_slots).cuda(), prompt_lens=torch.tensor(prompt_lens),
+        row_request=row_request, history=history.cuda(), own=own.cuda(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("path", ["prefill", "flat-decode", "cascade", "triton-beam"])
+def test_layer_spec_honoured_like_the_reference(name: str, path: str) -> None:
+    """Contract v2: soft-cap and sliding window (prompts of 30..513 tokens, window 48) through
+    each FlashInfer path and the Triton beam kernel == the torch reference with the same spec."""
+    from flashrec_core.attention.triton_beam import TritonBeamAttention
+
+    spec = SPECS[name]
+    pool = _pool(torch.bfloat16)
+    if path == "prefill":
+        lens = [30, 300, 129]
+        slots = [torch.arange(1 + 600 * i, 1 + 600 * i + n) for i, n in enumerate(lens)]
+        step = prepare_prefill([[1] * n for n in lens], slots, [0, 64, 100])
+    else:
+        step = _beam_step([8, 3, 16], [200, 30, 513], level=2)
+    q = _strided_q(step.input_ids.numel())
+    ref = _run(
+        TorchAttentionBackend(torch.device("cuda"), layers=(spec,)), step, pool, q, spec.scale
+    )
+    backend = _flashinfer(torch.bfloat16, cascade=path != "flat-decode", layers=(spec,))
+    if path == "triton-beam":
+        backend = TritonBeamAttention(
+            backend, torch.device("cuda"), 64, 4096, layers=(spec,), head_dim=D
+        )
+    got = _run(backend, step, pool, q, spec.scale)
+    err = (got - ref).abs().max().item()
+    assert err < ATOL, f"{path} with {name} ({spec}): max abs diff {err:.4f} vs the torch reference"

@@ -199,3 +199,49 @@ def test_bad_arguments_fail_with_their_name(change, message: str) -> None:
     step = change(_make_step([1, 2], [3, 4], 4, 2, 64, 1, torch.bfloat16))
     with pytest.raises(ValueError, match=message):
         beam_cascade_attention_ref(*step.args())
+
+
+SOFTCAP = 2.0
+"""Small enough that the cap bends most scores (|s| reaches ~8 here); Gemma 2's 50 barely would."""
+
+
+def _flat_softcapped_fp64(step: Step, cap: float) -> torch.Tensor:
+    """Independent spec of the soft-capped kernel: flat attention over cap * tanh(s / cap)."""
+    num_rows, hq, _ = step.q.shape
+    group = hq // step.k_cache.shape[1]
+    q, k, v = (t.cpu().double() for t in (step.q, step.k_cache, step.v_cache))
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    rows, prefix = step.row_indptr.tolist(), step.prefix_indptr.tolist()
+    for b in range(len(rows) - 1):
+        prompt = step.prefix_indices[prefix[b] : prefix[b + 1]].tolist()
+        for r in range(rows[b], rows[b + 1]):
+            slots = torch.tensor(prompt + step.suffix[r].tolist())
+            for h in range(hq):
+                scores = k[slots, h // group] @ q[r, h] * step.sm_scale
+                probs = torch.softmax(cap * torch.tanh(scores / cap), dim=0)
+                out[r, h] = probs @ v[slots, h // group]
+    return out
+
+
+def test_softcapped_ref_matches_flat_fp64_attention() -> None:
+    step = _make_step([3, 1, 4], [5, 1, 9], 4, 2, 16, 2, torch.bfloat16, seed=8)
+    ref = beam_cascade_attention_ref(*step.args(), logit_softcap=SOFTCAP)
+    exact = _flat_softcapped_fp64(step, SOFTCAP)
+    torch.testing.assert_close(ref.cpu().double(), exact, rtol=2**-8, atol=1e-5)
+    plain = beam_cascade_attention_ref(*step.args())
+    assert (plain.float() - ref.float()).abs().max() > 0.05, "the cap changed nothing"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_softcapped_kernel_matches_ref(cache_dtype: torch.dtype, device: torch.device) -> None:
+    # tanh as 1 - 2 / (1 + exp(2x)) loses ~1e-7 absolute near 0, x cap: far below the bf16 ulp
+    step = _make_step([2, 6, 1], [17, 70, 3], 8, 2, 64, 2, cache_dtype, device, seed=9)
+    out = beam_cascade_attention(*step.args(), logit_softcap=SOFTCAP)
+    ref = beam_cascade_attention_ref(*step.args(), logit_softcap=SOFTCAP)
+    _assert_kernel_matches_ref(out, ref, step)
+
+
+def test_softcap_must_be_positive() -> None:
+    step = _make_step([1, 2], [3, 4], 4, 2, 64, 1, torch.bfloat16)
+    with pytest.raises(ValueError, match="logit_softcap must be None or > 0"):
+        beam_cascade_attention_ref(*step.args(), logit_softcap=0.0)

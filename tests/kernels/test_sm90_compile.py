@@ -28,6 +28,8 @@ with compiled_launches(90) as done:
     triton_rms_norm.launch_rms_norm_quant_fp8(x, torch.ones(H, dtype=bf16), 1e-6, x.clone())
     triton_rms_norm.launch_rms_norm_quant_fp8(x, torch.ones(H, dtype=bf16), 1e-6, None)
     triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16))
+    triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16),
+                                              triton_silu_mul.ACT_GELU_TANH)
     qkv = torch.zeros(T, (HQ + 2 * HKV) * D, dtype=bf16)
     q, k, v = (qkv[:, :HQ * D].view(T, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D),
                qkv[:, (HQ + HKV) * D:].view(T, HKV, D))
@@ -48,6 +50,10 @@ with compiled_launches(90) as done:
     att.launch_beam_cascade_attention(
         q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
         torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16))
+    att.launch_beam_cascade_attention(
+        q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
+        torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
+        logit_softcap=50.0)
 names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
 assert any("wgmma" in c.ptx for c in done if c.kernel == "_beam_cascade_attention_kernel")

@@ -1,126 +1,30 @@
-"""Llama-structure decoder (Llama, Qwen2), top to bottom: Attention, MLP, DecoderLayer, Model,
-ForCausalLM. No q/k norm: RoPE + KV store is the fused path (`rope_kv`)."""
+"""Llama-structure decoder (Llama, Qwen2): the shared pre-norm blocks without q/k norm, so RoPE
++ KV store is the fused path (`rope_kv`); biases where the family's flags put them."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from flashrec_core.layers import (
-    Attention,
     BuildContext,
-    Embedding,
-    ForwardBatch,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    SiluAndMul,
-    split_qkv,
+    CausalLM,
+    DecoderModel,
+    GatedMLP,
+    PreNormDecoderLayer,
+    SelfAttention,
 )
 from flashrec_models_llama.spec import LlamaConfig
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, ctx: BuildContext) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.num_q_heads, self.num_kv_heads = config.num_q_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size = config.num_q_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, (q_size, kv_size, kv_size), bias=config.qkv_bias, ctx=ctx
-        )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias, ctx=ctx)
-        scale = config.head_dim**-0.5
-        self.attn = Attention(
-            config.num_q_heads, config.num_kv_heads, config.head_dim, layer_id, scale
-        )
-
-    def forward(self, x, rotary: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = split_qkv(qkv, self.num_q_heads, self.num_kv_heads, self.head_dim)
-        q, k, stored = rotary(q, k, v, batch, self.layer_id, q_norm=None, k_norm=None)
-        out = self.attn.forward(q, k, v, self.layer_id, batch, skip_store=stored)
-        return self.o_proj(out)
+def _layer(config: LlamaConfig, layer_id: int, ctx: BuildContext) -> PreNormDecoderLayer:
+    attn = SelfAttention(config, layer_id, ctx, qkv_bias=config.qkv_bias, o_bias=config.o_proj_bias)
+    mlp = GatedMLP(config.hidden_size, config.intermediate_size, ctx, bias=config.mlp_bias)
+    return PreNormDecoderLayer(config, attn, mlp, ctx)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, ctx: BuildContext) -> None:
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, (inter, inter), bias=config.mlp_bias, ctx=ctx
-        )
-        self.act = SiluAndMul(
-            quantize_output=ctx.fp8_linear, fused_kernel=ctx.kernel("silu_mul_fp8")
-        )
-        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias, ctx=ctx)
-
-    def forward(self, x) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, ctx: BuildContext) -> None:
-        super().__init__()
-        norm_args = dict(quantize_output=ctx.fp8_linear, fused_kernel=ctx.kernel("rms_norm_fp8"))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, ctx, **norm_args)
-        self.self_attn = LlamaAttention(config, layer_id, ctx)
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.norm_eps, ctx, **norm_args
-        )
-        self.mlp = LlamaMLP(config, ctx)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(x, rotary, batch)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x), residual
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, ctx: BuildContext) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, ctx)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, ctx) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps, ctx)
-        fused = ctx.kernel("rope_kv")
-        self.rotary_emb = RotaryEmbedding(config.rope, config.max_position, ctx, fused_kernel=fused)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, self.rotary_emb, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """forward(batch) -> final-normed hidden [T, H]; the (restricted) LM head lives outside."""
 
     def __init__(self, config: LlamaConfig, ctx: BuildContext) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, ctx)
-        self.output_head = (
-            None
-            if config.tie_word_embeddings
-            else Embedding(config.vocab_size, config.hidden_size, ctx)
+        model = DecoderModel(
+            config, ctx, lambda i: _layer(config, i, ctx), rope_kernel=ctx.kernel("rope_kv")
         )
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def lm_head(self) -> torch.Tensor:
-        """[V, H], the same storage on every call; the embedding itself when tied."""
-        head = self.output_head if self.output_head is not None else self.model.embed_tokens
-        return head.weight
+        super().__init__(config, ctx, model)

@@ -299,8 +299,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(overrides, given.get("config"))
     except ValidationError as exc:
-        raise ValueError(_settings_error(exc)) from None
+        if not _lacks_model_path(exc):
+            raise ValueError(_settings_error(exc)) from None
+        settings = load_settings(_embedded_overrides(overrides), given.get("config"))
     return serve(settings)
+
+
+def _lacks_model_path(exc: Any) -> bool:
+    """Whether no source (flag, environment, config file) named a model directory."""
+    return any(
+        e["type"] == "missing" and tuple(e["loc"]) in (("engine",), ("engine", "model_path"))
+        for e in exc.errors()
+    )
+
+
+def _embedded_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Serve the embedded default model (and its catalog unless one is given); say so."""
+    from flashrec_core.embedded import default_catalog_path, default_model_path
+
+    path = default_model_path()
+    print(
+        f"flashrec: no model path given (--model-path, FLASHREC_ENGINE__MODEL_PATH or the config "
+        f"file); serving the embedded default model ({path}): a small GenRec model of a "
+        "synthetic food-ordering log; prompts are item ids, oldest first",
+        file=sys.stderr,
+    )
+    search = {"catalog_path": str(default_catalog_path()), **overrides.get("search", {})}
+    engine = {**overrides.get("engine", {}), "model_path": str(path)}
+    return {"served_model_name": "flashrec-default", **overrides, "engine": engine, "search": search}
 
 
 def _settings_error(exc: Any) -> str:

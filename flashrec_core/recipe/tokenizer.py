@@ -1,6 +1,8 @@
 """The recipe's tokenizer: one word per item id (the prompt is the history, item ids separated by
 spaces), then the SID tokens in FlashRec's layout (`<s_a_0>`..., levels back to back) and the
-`<|sid_begin|>` / `<|sid_end|>` boundaries. No chat template: prompts are plain text."""
+`<|sid_begin|>` / `<|sid_end|>` boundaries. The chat template only joins the user messages'
+contents with spaces, so a chat request and a plain prompt of the same history give the same
+tokens (the model was trained on plain histories)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ from typing import Any
 
 SPECIAL = ["[PAD]", "[UNK]", "<s>", "</s>"]
 SID_BEGIN, SID_END = "<|sid_begin|>", "<|sid_end|>"
+HISTORY_CHAT_TEMPLATE = (
+    "{% for m in messages if m['role'] == 'user' %}{{ m['content'] }}"
+    "{% if not loop.last %} {% endif %}{% endfor %}"
+)
 
 
 def sid_token(level: int, code: int) -> str:
@@ -35,10 +41,12 @@ def build_recipe_tokenizer(items: Sequence[str], level_sizes: Sequence[int]) -> 
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in (SID_BEGIN, SID_END)]
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
         eos_token="</s>",
     )  # fmt: skip
+    fast.chat_template = HISTORY_CHAT_TEMPLATE
+    return fast
 
 
 def history_prompt(history: Sequence[str], max_history: int) -> str:

@@ -51,7 +51,6 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 @pytest.mark.parametrize(
     "args,message",
     [
-        ((), "setting engine.model_path: Field required (pass --model-path"),
         (("--model-path", "/nonexistent/dir"), "/nonexistent/dir"),
         (("--model-path", "/tmp", "--port", "70000"), "setting port:"),
         (

@@ -326,7 +326,12 @@ def _embedded_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     )
     search = {"catalog_path": str(default_catalog_path()), **overrides.get("search", {})}
     engine = {**overrides.get("engine", {}), "model_path": str(path)}
-    return {"served_model_name": "flashrec-default", **overrides, "engine": engine, "search": search}
+    return {
+        "served_model_name": "flashrec-default",
+        **overrides,
+        "engine": engine,
+        "search": search,
+    }
 
 
 def _settings_error(exc: Any) -> str:

@@ -8,11 +8,9 @@ Work runs in iterations, each a step boundary:
    beam-row, request-table and KV-slot budgets;
 3. step: every other wave in flight runs one beam step; finished waves become results.
 
-At most `depth` waves are in flight, one per level: under load every iteration then runs one
-wave's prefill and the other waves' beam steps, and the queue gathers the next wave meanwhile, so
-waves stay full (as offline) instead of each iteration admitting the few requests that just
-arrived. A request that arrives while others run therefore waits about one iteration (one wave
-finishes per iteration), not for a whole wave. A wave takes the queue's oldest request and then other
+Under load every iteration runs one new wave's prefill and the beam steps of the waves admitted
+in the iterations before (a wave lives `depth` iterations). A request that arrives while others
+run therefore waits about one iteration, not for a whole wave. A wave takes the queue's oldest request and then other
 queued requests of the same n (one width per wave lets its steps replay CUDA graphs); a request
 of another n is never passed over for more than one iteration per distinct n queued before it.
 
@@ -305,8 +303,6 @@ class EngineLoop:
         return False
 
     def _admit(self, now: float) -> None:
-        if len(self._waves) >= self.limits.depth:
-            return  # one wave per level is in flight: the queue fills the next wave meanwhile
         handles = self._take_wave()
         if not handles:
             return

@@ -4,7 +4,7 @@ process, the engine loop on its own thread).
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (behind the API key when
 one is set), GET /health (alive), GET /ready (warm-up done), GET /metrics (Prometheus).
 A handler validates and tokenizes, submits to the engine loop, and awaits the request's future
-while watching for the client going away (then the request is cancelled and its rows, KV slots
+or the client going away (then the request is cancelled and its rows, KV slots
 and prefix-cache locks are freed at the next step boundary).
 """
 
@@ -77,7 +77,6 @@ STREAMED: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": _SSE_EVENT}},
     },
 }
-DISCONNECT_POLL_S = 0.05
 
 
 @dataclass
@@ -169,7 +168,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         gen = await run_in_threadpool(chat_request, engine, body, defaults)
         [result] = await run(request, [gen], body.timeout)
         payload = responses.chat_completion(
-            responses.new_id("chatcmpl"), settings.model_name, result
+            responses.new_id("chatcmpl"), settings.model_name, result, body.include_metadata
         )
         state.metrics.observe_stages(result.timings)
         if body.stream:
@@ -183,7 +182,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         check_serving()
         gens = await run_in_threadpool(completion_requests, engine, body, defaults)
         results = await run(request, gens, body.timeout)
-        payload = responses.completion(responses.new_id("cmpl"), settings.model_name, results)
+        payload = responses.completion(
+            responses.new_id("cmpl"), settings.model_name, results, body.include_metadata
+        )
         for r in results:
             state.metrics.observe_stages(r.timings)
         if body.stream:
@@ -212,6 +213,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects. Event-driven (the body is read already, so the next
+    ASGI message is the disconnect): polling every request would keep the event loop thread
+    busy and take the GIL from the engine thread under load."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _run_requests(
     engine: Engine, request: Request, reqs: Sequence[GenerationRequest], timeout: float | None
 ) -> list[GenerationResult]:
@@ -231,12 +240,16 @@ async def _run_requests(
         _cancel(engine, handles, "a sibling prompt was rejected")
         raise APIError(400, str(exc), exc.param, "invalid_value") from None
     futures = [asyncio.wrap_future(h.future) for h in handles]
-    pending = set(futures)
-    while pending:
-        _, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
-        if pending and await request.is_disconnected():
-            _cancel(engine, handles, "the client disconnected")
-            raise ClientGone()
+    results = asyncio.gather(*futures, return_exceptions=True)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not results.done():
+        results.cancel()
+        _cancel(engine, handles, "the client disconnected")
+        raise ClientGone()
     try:
         return [f.result() for f in futures]
     except RequestTimeoutError as exc:

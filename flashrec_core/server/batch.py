@@ -44,6 +44,7 @@ class _Line:
     kind: str = ""
     handles: list[Any] | None = None
     error: APIError | None = None
+    metadata: bool = False
 
 
 def run_batch(
@@ -111,9 +112,14 @@ def _submit(engine: Engine, number: int, text: Any, defaults: Defaults) -> _Line
             raise APIError(400, f"line {number} is not UTF-8 ({text.reason} at byte {text.start})")
         body, line.custom_id, line.kind = _parse(number, text)
         if line.kind == "chat":
-            reqs = [chat_request(engine, ChatCompletionRequest.model_validate(body), defaults)]
+            chat = ChatCompletionRequest.model_validate(body)
+            reqs, line.metadata = [chat_request(engine, chat, defaults)], chat.include_metadata
         else:
-            reqs = completion_requests(engine, CompletionRequest.model_validate(body), defaults)
+            plain = CompletionRequest.model_validate(body)
+            reqs, line.metadata = (
+                completion_requests(engine, plain, defaults),
+                plain.include_metadata,
+            )
         line.handles = [engine.loop.submit(r, bounded=False) for r in reqs]
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -152,9 +158,11 @@ def _finish(line: _Line, model: str) -> dict[str, Any]:
             line.error = APIError(500, f"line {line.number}: {exc}")
         else:
             if line.kind == "chat":
-                body = responses.chat_completion(responses.new_id("chatcmpl"), model, results[0])
+                body = responses.chat_completion(
+                    responses.new_id("chatcmpl"), model, results[0], line.metadata
+                )
             else:
-                body = responses.completion(responses.new_id("cmpl"), model, results)
+                body = responses.completion(responses.new_id("cmpl"), model, results, line.metadata)
             return {**record, "status_code": 200, "response": body}
     err = line.error
     assert err is not None, "a line either has handles or an error"

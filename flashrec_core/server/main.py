@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 
 from flashrec_core.server.settings import ServerSettings
 
 logger = logging.getLogger("flashrec.server")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(settings: ServerSettings) -> int:
@@ -32,6 +34,9 @@ def serve(settings: ServerSettings) -> int:
         log_config=None,  # keep the process's logging setup (one format for engine and server)
     )  # fmt: skip
     server = uvicorn.Server(config)
+    # The engine thread launches kernels between short GIL releases; with the default 5 ms
+    # switch interval a busy HTTP thread can hold it off for whole intervals per launch.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key (--api-key)", settings.host)
     # uvicorn drains, restores the handlers it found, then re-raises the signal it caught: with

@@ -59,6 +59,11 @@ class _SearchFields(_Strict):
         default=None, max_length=1_000_000,
         description="FlashRec: return only these catalog item ids (an allow-list)",
     )  # fmt: skip
+    include_metadata: bool = Field(
+        default=False,
+        description="FlashRec: add each item's catalog attributes (title, category, ...) as "
+        "choices[i].flashrec.item_metadata",
+    )
     # OpenAI fields accepted for client compatibility; they do not change beam search.
     top_p: FiniteFloat | None = Field(default=None, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -94,6 +99,9 @@ class ChoiceExtension(BaseModel):
     logprob: float = Field(description="cumulative log-prob under the engine's normalization")
     score: float = Field(description="logprob / depth ** length_penalty")
     level_logprobs: list[float] = Field(description="log-prob of each level's code")
+    item_metadata: list[dict[str, Any]] | None = Field(
+        default=None, description="with include_metadata: each item's catalog attributes"
+    )
 
 
 class ChatChoiceMessage(BaseModel):

@@ -21,8 +21,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def choice_extensions(result: GenerationResult) -> list[dict[str, Any]]:
-    """The `flashrec` object of each choice, from the result's arrays."""
+def choice_extensions(result: GenerationResult, metadata: bool = False) -> list[dict[str, Any]]:
+    """The `flashrec` object of each choice, from the result's arrays (with each item's catalog
+    attributes when `metadata`)."""
     dec = result.decoder
     depth = result.codes.shape[1]
     divisor = depth**dec.length_penalty
@@ -39,6 +40,10 @@ def choice_extensions(result: GenerationResult) -> list[dict[str, Any]]:
             "score": lp / divisor,
             "level_logprobs": levels[rank] if levels is not None else [],
         })  # fmt: skip
+    if metadata and dec.catalog is not None:
+        attrs = dec.catalog.metadata
+        for ext in out:
+            ext["item_metadata"] = [dict(attrs.get(item, {})) for item in ext["items"]]
     return out
 
 
@@ -72,7 +77,9 @@ def extension(results: Sequence[GenerationResult]) -> dict[str, Any]:
     }
 
 
-def chat_completion(response_id: str, model: str, result: GenerationResult) -> dict[str, Any]:
+def chat_completion(
+    response_id: str, model: str, result: GenerationResult, metadata: bool = False
+) -> dict[str, Any]:
     choices = [
         {
             "index": i,
@@ -81,7 +88,7 @@ def chat_completion(response_id: str, model: str, result: GenerationResult) -> d
             "logprobs": None,
             "flashrec": ext,
         }
-        for i, (text, ext) in enumerate(zip(sid_texts(result), choice_extensions(result)))
+        for i, (text, ext) in enumerate(zip(sid_texts(result), choice_extensions(result, metadata)))
     ]
     return {
         "id": response_id,
@@ -94,10 +101,12 @@ def chat_completion(response_id: str, model: str, result: GenerationResult) -> d
     }
 
 
-def completion(response_id: str, model: str, results: Sequence[GenerationResult]) -> dict[str, Any]:
+def completion(
+    response_id: str, model: str, results: Sequence[GenerationResult], metadata: bool = False
+) -> dict[str, Any]:
     choices = []
     for result in results:
-        for text, ext in zip(sid_texts(result), choice_extensions(result)):
+        for text, ext in zip(sid_texts(result), choice_extensions(result, metadata)):
             choices.append({
                 "index": len(choices), "text": text, "finish_reason": "stop", "logprobs": None,
                 "flashrec": ext,

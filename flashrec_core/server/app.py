@@ -157,39 +157,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             why = state.warmup_error or "the engine is warming up"
             raise APIError(503, why, None, "not_ready", {"Retry-After": "1"})
 
-    async def run(request: Request, reqs: Sequence[GenerationRequest], timeout: float | None):
-        return await _run_requests(engine, request, reqs, timeout or defaults.timeout_s)
+    async def generate(body: Any, request: Request, translate: Any) -> list[GenerationResult]:
+        """The shared part of both generation routes: checks, tokenize, run, metrics."""
+        check_model(body.model)
+        check_serving()
+        gens = await run_in_threadpool(translate, engine, body, defaults)
+        timeout = body.timeout or defaults.timeout_s
+        results = await _run_requests(engine, request, gens, timeout)
+        for r in results:
+            state.metrics.observe_stages(r.timings)
+        return results
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        check_serving()
-        gen = await run_in_threadpool(chat_request, engine, body, defaults)
-        [result] = await run(request, [gen], body.timeout)
+        [result] = await generate(body, request, lambda e, b, d: [chat_request(e, b, d)])
         payload = responses.chat_completion(
             responses.new_id("chatcmpl"), settings.model_name, result, body.include_metadata
         )
-        state.metrics.observe_stages(result.timings)
-        if body.stream:
-            return _sse(responses.chat_stream_chunks(payload))
-        return JSONResponse(payload)
+        return _sse(responses.chat_stream_chunks(payload)) if body.stream else JSONResponse(payload)
 
     @app.post("/v1/completions", response_model=Completion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        check_serving()
-        gens = await run_in_threadpool(completion_requests, engine, body, defaults)
-        results = await run(request, gens, body.timeout)
+        results = await generate(body, request, completion_requests)
         payload = responses.completion(
             responses.new_id("cmpl"), settings.model_name, results, body.include_metadata
         )
-        for r in results:
-            state.metrics.observe_stages(r.timings)
-        if body.stream:
-            return _sse(responses.completion_stream_chunks(payload))
-        return JSONResponse(payload)
+        stream = body.stream
+        return (
+            _sse(responses.completion_stream_chunks(payload)) if stream else JSONResponse(payload)
+        )
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
              dependencies=[Depends(authorize)])  # fmt: skip

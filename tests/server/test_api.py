@@ -94,6 +94,7 @@ def test_streaming_returns_ranked_choices_then_usage(server: ServerProcess) -> N
 
 
 def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]) -> None:
+    _post(server, "/v1/chat/completions", _chat(n=2), auth)  # at least one request was timed
     [card] = client(server).models.list().data
     assert card.id == "genrec-tiny" and card.model_extra["flashrec"]["sid_depth"] == 3
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}

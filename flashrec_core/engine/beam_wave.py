@@ -142,7 +142,14 @@ class BeamWave:
         return state
 
     def _allocate(self, state: WaveState) -> None:
-        table, cache = self.runner.request_table, self.runner.prefix_cache
+        """Match and lock every prompt's cached prefix, make room for the whole wave at once
+        (one eviction pass, not one per request), then take the slots."""
+        table, cache, allocator = (
+            self.runner.request_table,
+            self.runner.prefix_cache,
+            self.runner.allocator,
+        )
+        cached_slots = []
         for req in state.requests:
             cached, node = torch.empty(0, dtype=torch.int64), None
             if cache is not None:  # at least the last prompt token is computed
@@ -150,18 +157,18 @@ class BeamWave:
                 cache.lock(node)
             state.locked.append(node)
             state.cached_lens.append(cached.numel())
-            new = self._alloc(len(req.prompt_ids) - cached.numel())
+            cached_slots.append(cached)
+        num_rows = sum(r.n for r in state.requests)
+        need = num_rows * (self.depth - 1) + sum(
+            len(r.prompt_ids) - c.numel() for r, c in zip(state.requests, cached_slots)
+        )
+        if cache is not None and allocator.num_free < need:
+            cache.evict(need - allocator.num_free)
+        for req, cached in zip(state.requests, cached_slots):
+            new = allocator.alloc(len(req.prompt_ids) - cached.numel())
             state.prompt_slots.append(torch.cat([cached, new]))
             state.table_rows.append(table.add(state.prompt_slots[-1]))
-        num_rows = sum(r.n for r in state.requests)
-        state.decode_slots = self._alloc(num_rows * (self.depth - 1)).view(num_rows, -1)
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        """Slots from the pool, evicting unused cached prefixes when it runs short."""
-        allocator, cache = self.runner.allocator, self.runner.prefix_cache
-        if cache is not None and allocator.num_free < n:
-            cache.evict(n - allocator.num_free)
-        return allocator.alloc(n)
+        state.decode_slots = allocator.alloc(num_rows * (self.depth - 1)).view(num_rows, -1)
 
     def release(self, state: WaveState, done: bool) -> None:
         """Hand a wave's KV back: after a finished wave its prompt slots go to the prefix cache,

@@ -9,6 +9,7 @@ it holds: a request hands its prompt slots over with `insert` instead of freeing
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -95,18 +96,23 @@ class RadixCache:
         return sum(1 for n in self._nodes() if n.locks > 0)
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots from unlocked leaves, oldest first; returns the count."""
+        """Free at least num_tokens slots from unlocked leaves, oldest first; returns the count.
+
+        One pass over the tree and a heap of evictable leaves (a parent whose last child goes
+        joins the heap), so a wave's eviction costs O(nodes log nodes) however many go."""
+        heap = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.locks == 0]
+        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens:
-            leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
-            if not leaves:
-                break
-            victim = min(leaves, key=lambda n: n.last_used)
+        while freed < num_tokens and heap:
+            _, _, victim = heapq.heappop(heap)
             self.allocator.free(victim.slots)
             freed += victim.slots.numel()
             self.num_cached -= victim.slots.numel()
-            assert victim.parent is not None, "the root is never a leaf victim"
-            del victim.parent.children[victim.tokens[0]]
+            parent = victim.parent
+            assert parent is not None, "the root is never a leaf victim"
+            del parent.children[victim.tokens[0]]
+            if parent is not self.root and not parent.children and parent.locks == 0:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:

@@ -139,4 +139,3 @@ def test_background_thread_serves_and_stops(tmp_path: Path, engine: Engine) -> N
     assert not loop.running
     with pytest.raises(EngineStoppedError):
         loop.submit(engine.make_request(prompt="w1", n=2))
-

@@ -123,3 +123,23 @@ def test_engine_evicts_cached_prefixes_when_the_pool_is_short(checkpoint: Path) 
     assert (
         runner.allocator.num_free + runner.prefix_cache.num_cached == runner.allocator.num_slots - 1
     )
+
+
+def test_evict_takes_oldest_leaves_then_their_emptied_parents() -> None:
+    alloc = SlotAllocator(200)
+    cache = RadixCache(alloc)
+    shared = [1, 2, 3, 4]
+    for i in range(5):  # five prompts below one shared 4-token node
+        tokens = shared + [10 + i, 20 + i]
+        cache.insert(tokens, alloc.alloc(len(tokens)))
+    locked = cache.match(shared + [14, 24], 6)[1]
+    cache.lock(locked)  # the newest prompt is in use
+    free = alloc.num_free
+    assert cache.evict(3) == 4, "the two oldest 2-token leaves"
+    assert alloc.num_free == free + 4
+    assert cache.match(shared + [10, 20], 6)[0].numel() == 4, "oldest leaf gone, prefix kept"
+    assert cache.evict(100) == 4, "the other unlocked leaves; the locked path and its prefix stay"
+    assert cache.match(shared + [14, 24], 6)[0].numel() == 6
+    cache.unlock(locked)
+    assert cache.evict(100) == 6, "the last leaf, then its emptied parent"
+    assert cache.num_cached == 0 and alloc.num_free == 199

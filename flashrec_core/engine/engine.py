@@ -20,7 +20,7 @@ from flashrec_core.engine.requests import GenerationRequest, GenerationResult, R
 from flashrec_core.registry import Registry, read_model_config
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.catalog_formats import load_catalog
-from flashrec_core.search.filters import CatalogIndex, FilterError, ItemFilter
+from flashrec_core.search.filters import AttrFilters, CatalogIndex, FilterError, ItemFilter
 from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.sid_layout import SidLayout, infer_sid_layout
 from flashrec_core.search.trie import Trie, build_trie
@@ -139,21 +139,25 @@ class Engine:
         seed: int | None = None,
         exclude_items: Sequence[str] = (),
         allow_items: Sequence[str] | None = None,
+        filters: AttrFilters | None = None,
     ) -> GenerationRequest:
         ids = self.encode_prompt(prompt, messages)
-        item_filter = self.create_filter(exclude_items, allow_items)
+        item_filter = self.create_filter(exclude_items, allow_items, filters)
         return GenerationRequest(tuple(ids), n, temperature, seed, item_filter)
 
     def create_filter(
-        self, exclude_items: Sequence[str] = (), allow_items: Sequence[str] | None = None
+        self,
+        exclude_items: Sequence[str] = (),
+        allow_items: Sequence[str] | None = None,
+        filters: AttrFilters | None = None,
     ) -> ItemFilter | None:
-        """A request's item filter (None when it filters nothing); FilterError when it names
-        nothing in the catalog or the engine has no catalog."""
-        if not exclude_items and allow_items is None:
+        """A request's item filter (None when it filters nothing); FilterError when it leaves
+        no item, names an unknown attribute, or the engine has no catalog."""
+        if not exclude_items and allow_items is None and not filters:
             return None
         if self.catalog_index is None:
             raise FilterError("item filters need a catalog (--catalog)", "exclude_items")
-        return self.catalog_index.create_filter(exclude_items, allow_items)
+        return self.catalog_index.create_filter(exclude_items, allow_items, filters)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run beam search for every request through the engine loop (requests of one n share

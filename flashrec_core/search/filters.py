@@ -14,7 +14,7 @@ does not allow get log-prob -inf before top-k, exactly as the trie's own invalid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,16 +32,27 @@ class FilterError(ValueError):
         self.param = param
 
 
+AttrValue = str | int | float | bool
+AttrFilters = Mapping[str, AttrValue | Sequence[AttrValue]]
+
+
 @dataclass(frozen=True, eq=False)
 class ItemFilter:
     """Which SIDs (catalog rows) and items one request may return."""
 
     sid_mask: np.ndarray  # bool [num_sids]: at least one of the SID's items is allowed
-    excluded: frozenset[str]
-    allowed: frozenset[str] | None  # None: every item not excluded
+    item_mask: np.ndarray  # bool [distinct items]: the item may be returned
+    index: CatalogIndex
 
     def keeps(self, item: str) -> bool:
-        return item not in self.excluded and (self.allowed is None or item in self.allowed)
+        i = self.index.item_index.get(item)
+        return i is not None and bool(self.item_mask[i])
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        """The catalog items this filter removes (tests, diagnostics)."""
+        ids = self.index.item_ids
+        return frozenset(ids[i] for i in np.flatnonzero(~self.item_mask).tolist())
 
     @property
     def num_sids(self) -> int:
@@ -49,41 +60,95 @@ class ItemFilter:
 
 
 class CatalogIndex:
-    """Item id -> catalog rows, and each row's trie ancestors: built once per catalog."""
+    """Built once per catalog: every (item, SID row) occurrence as arrays, each row's trie
+    ancestors, and (lazily, per attribute) which items hold each attribute value."""
 
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
-        rows: dict[str, list[int]] = {}
+        self.item_ids: list[str] = []
+        self.item_index: dict[str, int] = {}
+        occ_item, occ_row = [], []
         for row, items in enumerate(catalog.items):
             for item in items:
-                rows.setdefault(item, []).append(row)
-        self.rows_of = rows
-        self.items_per_row = np.array([len(t) for t in catalog.items], dtype=np.int64)
+                i = self.item_index.setdefault(item, len(self.item_ids))
+                if i == len(self.item_ids):
+                    self.item_ids.append(item)
+                occ_item.append(i)
+                occ_row.append(row)
+        self.occ_item = np.asarray(occ_item, dtype=np.int64)  # [occurrences]
+        self.occ_row = np.asarray(occ_row, dtype=np.int64)
         self.ancestors = prefix_nodes(catalog.codes)
+        self._values: dict[str, dict[AttrValue, list[int]]] = {}
 
     def create_filter(
-        self, exclude_items: Sequence[str] = (), allow_items: Sequence[str] | None = None
+        self,
+        exclude_items: Sequence[str] = (),
+        allow_items: Sequence[str] | None = None,
+        filters: AttrFilters | None = None,
     ) -> ItemFilter | None:
-        """The filter of one request, or None when it filters nothing."""
-        if not exclude_items and allow_items is None:
+        """The filter of one request, or None when it filters nothing. An item may be returned
+        when it is not excluded, is in `allow_items` (if given) and matches every attribute of
+        `filters` (a list of values: any of them); a SID stays while any of its items may."""
+        if not exclude_items and allow_items is None and not filters:
             return None
-        num = len(self.catalog)
-        excluded = frozenset(exclude_items)
-        if allow_items is None:  # a SID stays while any of its items is not excluded
-            hits = np.bincount(self._rows(excluded), minlength=num)
-            return ItemFilter(hits < self.items_per_row, excluded, None)
-        allowed = frozenset(allow_items)
-        mask = np.zeros(num, dtype=bool)  # a SID stays while any allowed item is not excluded
-        mask[self._rows(allowed - excluded)] = True
-        if not mask.any():
+        keep = np.ones(len(self.item_ids), dtype=bool)
+        if allow_items is not None:
+            keep &= self._mask(allow_items)
+        for key, wanted in (filters or {}).items():
+            keep &= self._attribute_mask(key, wanted)
+        keep &= ~self._mask(exclude_items)
+        sid_mask = np.zeros(len(self.catalog), dtype=bool)
+        sid_mask[self.occ_row[keep[self.occ_item]]] = True
+        if not sid_mask.any():
+            given = {"allow_items": allow_items is not None, "filters": bool(filters),
+                     "exclude_items": bool(exclude_items)}  # fmt: skip
+            fields = [f for f, on in given.items() if on]
             raise FilterError(
-                "no item of allow_items (less exclude_items) is in the catalog", "allow_items"
+                f"no catalog item is left after {' and '.join(fields)}; widen them", fields[0]
             )
-        return ItemFilter(mask, excluded, allowed)
+        return ItemFilter(sid_mask, keep, self)
 
-    def _rows(self, items: Iterable[str]) -> np.ndarray:
-        rows = [r for item in items for r in self.rows_of.get(item, ())]
-        return np.asarray(rows, dtype=np.int64)
+    def _mask(self, items: Iterable[str]) -> np.ndarray:
+        mask = np.zeros(len(self.item_ids), dtype=bool)
+        idx = [self.item_index[i] for i in items if i in self.item_index]
+        mask[idx] = True
+        return mask
+
+    def _attribute_mask(self, key: str, wanted: AttrValue | Sequence[AttrValue]) -> np.ndarray:
+        values = self._values_of(key)
+        choices = list(wanted) if isinstance(wanted, (list, tuple)) else [wanted]
+        if not choices:
+            raise FilterError(f"filters.{key} is an empty list; give at least one value", "filters")
+        mask = np.zeros(len(self.item_ids), dtype=bool)
+        for value in choices:
+            mask[values.get(_key(value), [])] = True
+        return mask
+
+    def _values_of(self, key: str) -> dict[AttrValue, list[int]]:
+        if key not in self._values:
+            meta = self.catalog.metadata
+            known = sorted({k for attrs in meta.values() for k in attrs})
+            if key not in known:
+                raise FilterError(
+                    f"filters names attribute {key!r}, which no catalog item has; the catalog's "
+                    f"item attributes are: {', '.join(known) or 'none (the catalog has no item metadata)'}",
+                    "filters",
+                )  # fmt: skip
+            index: dict[AttrValue, list[int]] = {}
+            for item, attrs in meta.items():
+                if key in attrs and item in self.item_index:
+                    index.setdefault(_key(attrs[key]), []).append(self.item_index[item])
+            self._values[key] = index
+        return self._values[key]
+
+
+def _key(value: object) -> AttrValue:
+    """A hashable attribute value: bools stay bools (True != 1 here), lists become tuples."""
+    if isinstance(value, bool):
+        return ("bool", value)  # type: ignore[return-value]
+    if isinstance(value, list):
+        return tuple(_key(v) for v in value)  # type: ignore[return-value]
+    return value  # type: ignore[return-value]
 
 
 def prefix_nodes(codes: np.ndarray) -> list[np.ndarray]:

@@ -59,6 +59,12 @@ class _SearchFields(_Strict):
         default=None, max_length=1_000_000,
         description="FlashRec: return only these catalog item ids (an allow-list)",
     )  # fmt: skip
+    filters: dict[str, str | int | float | bool | list[str | int | float | bool]] | None = Field(
+        default=None,
+        description="FlashRec: item attributes every returned item must have, from the catalog's "
+        "item metadata; a list means any of these values, e.g. "
+        '{"category": ["books", "music"], "in_stock": true}',
+    )
     include_metadata: bool = Field(
         default=False,
         description="FlashRec: add each item's catalog attributes (title, category, ...) as "

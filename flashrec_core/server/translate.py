@@ -106,7 +106,7 @@ def _request(
             "n",
         )
     try:
-        item_filter = engine.create_filter(body.exclude_items, body.allow_items)
+        item_filter = engine.create_filter(body.exclude_items, body.allow_items, body.filters)
     except FilterError as exc:
         raise bad_request(str(exc), exc.param) from None
     try:

@@ -128,8 +128,52 @@ def test_excluded_items_never_come_back_fuzz(setup) -> None:
 
 def test_filters_that_name_nothing_are_errors(setup) -> None:
     engine = setup[0]["level"]
-    with pytest.raises(FilterError, match="no item of allow_items") as info:
+    with pytest.raises(FilterError, match="no catalog item is left after allow_items") as info:
         engine.make_request(prompt="w1", n=2, allow_items=["nope"])
     assert info.value.param == "allow_items"
     with pytest.raises(FilterError):
         engine.make_request(prompt="w1", n=2, allow_items=["i3"], exclude_items=["i3"])
+
+
+@pytest.fixture(scope="module")
+def with_metadata(setup, tmp_path_factory: pytest.TempPathFactory):
+    """The same model and SIDs, the catalog in its metadata form: a category and a stock flag
+    per item."""
+    engines, hf = setup
+    base = engines["level"]
+    path = tmp_path_factory.mktemp("meta") / "catalog.json"
+    sids = {",".join(map(str, c)): list(items) for c, items in
+            zip(base.catalog.codes.tolist(), base.catalog.items)}  # fmt: skip
+    items = {item: {"category": ["books", "music", "film"][int(item[1:]) % 3],
+                    "in_stock": int(item[1:]) % 4 != 0}
+             for group in base.catalog.items for item in group}  # fmt: skip
+    path.write_text(json.dumps({"sids": sids, "items": items}))
+    engine = Engine.from_config(
+        base.runner.loaded.engine_config, SearchConfig(catalog_path=str(path))
+    )
+    return engine, hf
+
+
+def test_attribute_filters_match_beam_search_over_matching_items(with_metadata) -> None:
+    engine, hf = with_metadata
+    meta = engine.catalog.metadata
+    wanted = {"category": ["books", "film"], "in_stock": True}
+    for prompt, n in zip(PROMPTS, (3, 8, 20)):
+        req = engine.make_request(prompt=prompt, n=n, filters=wanted, exclude_items=["i3"])
+        [res] = engine.generate([req])
+        for c in res.choices:
+            assert c.items and "i3" not in c.items
+            assert all(meta[i]["category"] in wanted["category"] and meta[i]["in_stock"]
+                       for i in c.items)  # fmt: skip
+        allowed = _allowed_codes(engine, req)
+        ref = hf_beam_search(hf, req.prompt_ids, n, engine.layout, allowed, "level")
+        assert_same_ranking([(c.codes, c.logprob) for c in res.choices], ref, ATOL)
+
+
+def test_unknown_attributes_and_empty_results_are_errors(with_metadata) -> None:
+    engine, _ = with_metadata
+    with pytest.raises(FilterError, match="category, in_stock") as info:
+        engine.make_request(prompt="w1", n=2, filters={"colour": "red"})
+    assert info.value.param == "filters"
+    with pytest.raises(FilterError, match="no catalog item is left after filters"):
+        engine.make_request(prompt="w1", n=2, filters={"category": "poetry"})

@@ -162,6 +162,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         check_model(body.model)
         check_serving()
         gens = await run_in_threadpool(translate, engine, body, defaults)
+        state.metrics.filtered.inc(sum(g.item_filter is not None for g in gens))
         timeout = body.timeout or defaults.timeout_s
         results = await _run_requests(engine, request, gens, timeout)
         for r in results:
@@ -172,18 +173,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
               dependencies=[Depends(authorize)])  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         [result] = await generate(body, request, lambda e, b, d: [chat_request(e, b, d)])
+        shaping = responses.Shaping.of(body, result.requested)
         payload = responses.chat_completion(
-            responses.new_id("chatcmpl"), settings.model_name, result, body.include_metadata
+            responses.new_id("chatcmpl"), settings.model_name, result, shaping
         )
+        state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
         return _sse(responses.chat_stream_chunks(payload)) if body.stream else JSONResponse(payload)
 
     @app.post("/v1/completions", response_model=Completion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
         results = await generate(body, request, completion_requests)
+        shaping = responses.Shaping.of(body, results[0].requested)
         payload = responses.completion(
-            responses.new_id("cmpl"), settings.model_name, results, body.include_metadata
+            responses.new_id("cmpl"), settings.model_name, results, shaping
         )
+        state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
         stream = body.stream
         return (
             _sse(responses.completion_stream_chunks(payload)) if stream else JSONResponse(payload)

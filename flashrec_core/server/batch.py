@@ -44,7 +44,7 @@ class _Line:
     kind: str = ""
     handles: list[Any] | None = None
     error: APIError | None = None
-    metadata: bool = False
+    shaping: responses.Shaping = responses.Shaping()
 
 
 def run_batch(
@@ -112,14 +112,12 @@ def _submit(engine: Engine, number: int, text: Any, defaults: Defaults) -> _Line
             raise APIError(400, f"line {number} is not UTF-8 ({text.reason} at byte {text.start})")
         body, line.custom_id, line.kind = _parse(number, text)
         if line.kind == "chat":
-            chat = ChatCompletionRequest.model_validate(body)
-            reqs, line.metadata = [chat_request(engine, chat, defaults)], chat.include_metadata
+            parsed: Any = ChatCompletionRequest.model_validate(body)
+            reqs = [chat_request(engine, parsed, defaults)]
         else:
-            plain = CompletionRequest.model_validate(body)
-            reqs, line.metadata = (
-                completion_requests(engine, plain, defaults),
-                plain.include_metadata,
-            )
+            parsed = CompletionRequest.model_validate(body)
+            reqs = completion_requests(engine, parsed, defaults)
+        line.shaping = responses.Shaping.of(parsed, reqs[0].n)
         line.handles = [engine.loop.submit(r, bounded=False) for r in reqs]
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -159,10 +157,10 @@ def _finish(line: _Line, model: str) -> dict[str, Any]:
         else:
             if line.kind == "chat":
                 body = responses.chat_completion(
-                    responses.new_id("chatcmpl"), model, results[0], line.metadata
+                    responses.new_id("chatcmpl"), model, results[0], line.shaping
                 )
             else:
-                body = responses.completion(responses.new_id("cmpl"), model, results, line.metadata)
+                body = responses.completion(responses.new_id("cmpl"), model, results, line.shaping)
             return {**record, "status_code": 200, "response": body}
     err = line.error
     assert err is not None, "a line either has handles or an error"

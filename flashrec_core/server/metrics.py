@@ -75,6 +75,14 @@ class ServerMetrics:
             "time per request stage: queue, prefill (with first selection), decode (beam steps)",
             ["stage"], buckets=_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.filtered = Counter(
+            "flashrec_filtered_requests", "requests with item filters (exclude, allow, filters)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.deduplicated = Counter(
+            "flashrec_deduplicated_items", "repeated items dropped from return='items' lists",
+            registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_EngineCollector(stats))
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:

@@ -16,7 +16,7 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class TextPart(_Strict):
@@ -65,6 +65,19 @@ class _SearchFields(_Strict):
         "item metadata; a list means any of these values, e.g. "
         '{"category": ["books", "music"], "in_stock": true}',
     )
+    return_: Literal["sids", "items"] = Field(
+        default="sids", alias="return",
+        description="FlashRec: 'items' adds flashrec.items, the best n_items distinct catalog "
+        "items (flattened over the ranked SIDs, de-duplicated)",
+    )  # fmt: skip
+    n_items: int | None = Field(
+        default=None, ge=1, description="FlashRec: with return='items', how many (default n)"
+    )
+    max_per_prefix: int | None = Field(
+        default=None, ge=1,
+        description="FlashRec: at most this many choices share a first-level code (diversity); "
+        "applied to the n ranked beams, so fewer than n may come back",
+    )  # fmt: skip
     include_metadata: bool = Field(
         default=False,
         description="FlashRec: add each item's catalog attributes (title, category, ...) as "

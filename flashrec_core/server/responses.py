@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flashrec_core.engine.requests import GenerationResult
@@ -21,23 +22,51 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def choice_extensions(result: GenerationResult, metadata: bool = False) -> list[dict[str, Any]]:
-    """The `flashrec` object of each choice, from the result's arrays (with each item's catalog
+@dataclass(frozen=True)
+class Shaping:
+    """How a request wants its answer shaped (all FlashRec extensions)."""
+
+    metadata: bool = False  # include_metadata
+    n_items: int | None = None  # return="items": this many distinct items
+    max_per_prefix: int | None = None  # at most this many choices per first-level code
+
+    @classmethod
+    def of(cls, body: Any, n: int) -> Shaping:
+        items = (body.n_items or n) if body.return_ == "items" else None
+        return cls(body.include_metadata, items, body.max_per_prefix)
+
+
+def kept_rows(result: GenerationResult, max_per_prefix: int | None) -> list[int]:
+    """Rank positions kept: all of them, or at most `max_per_prefix` per first-level code."""
+    if max_per_prefix is None:
+        return list(range(result.codes.shape[0]))
+    seen: dict[int, int] = {}
+    rows = []
+    for rank, first in enumerate(result.codes[:, 0].tolist()):
+        if seen.get(first, 0) < max_per_prefix:
+            seen[first] = seen.get(first, 0) + 1
+            rows.append(rank)
+    return rows
+
+
+def choice_extensions(
+    result: GenerationResult, rows: list[int], metadata: bool = False
+) -> list[dict[str, Any]]:
+    """The `flashrec` object of the choices at rank positions `rows` (with each item's catalog
     attributes when `metadata`)."""
     dec = result.decoder
     depth = result.codes.shape[1]
     divisor = depth**dec.length_penalty
+    codes, lps, nodes = result.codes.tolist(), result.logprobs.tolist(), result.nodes.tolist()
     levels = result.level_logprobs.tolist() if result.level_logprobs is not None else None
     out = []
-    for rank, (codes, lp, node) in enumerate(
-        zip(result.codes.tolist(), result.logprobs.tolist(), result.nodes.tolist())
-    ):
+    for rank in rows:
         out.append({
             "rank": rank,
-            "codes": codes,
-            "items": list(result.items_of(node)),
-            "logprob": lp,
-            "score": lp / divisor,
+            "codes": codes[rank],
+            "items": list(result.items_of(nodes[rank])),
+            "logprob": lps[rank],
+            "score": lps[rank] / divisor,
             "level_logprobs": levels[rank] if levels is not None else [],
         })  # fmt: skip
     if metadata and dec.catalog is not None:
@@ -47,9 +76,35 @@ def choice_extensions(result: GenerationResult, metadata: bool = False) -> list[
     return out
 
 
-def sid_texts(result: GenerationResult) -> list[str]:
+def item_list(
+    result: GenerationResult, exts: list[dict[str, Any]], texts: list[str], shaping: Shaping
+) -> tuple[list[dict[str, Any]], int]:
+    """The best `n_items` distinct items over the ranked choices, and how many repeats were
+    dropped (an item under several SIDs)."""
+    meta = result.decoder.catalog.metadata if result.decoder.catalog is not None else {}
+    seen: set[str] = set()
+    out, dropped = [], 0
+    for ext, text in zip(exts, texts):
+        for item in ext["items"]:
+            if item in seen:
+                dropped += 1
+                continue
+            if shaping.n_items is not None and len(out) == shaping.n_items:
+                return out, dropped
+            seen.add(item)
+            entry = {"item": item, "rank": ext["rank"], "sid": text, "logprob": ext["logprob"],
+                     "score": ext["score"]}  # fmt: skip
+            if shaping.metadata:
+                entry["metadata"] = dict(meta.get(item, {}))
+            out.append(entry)
+    return out, dropped
+
+
+def _shaped(result: GenerationResult, shaping: Shaping) -> tuple[list[str], list[dict[str, Any]]]:
+    rows = kept_rows(result, shaping.max_per_prefix)
     fmt = result.decoder.layout.format
-    return [fmt(codes) for codes in result.codes.tolist()]
+    codes = result.codes.tolist()
+    return [fmt(codes[r]) for r in rows], choice_extensions(result, rows, shaping.metadata)
 
 
 def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
@@ -78,8 +133,9 @@ def extension(results: Sequence[GenerationResult]) -> dict[str, Any]:
 
 
 def chat_completion(
-    response_id: str, model: str, result: GenerationResult, metadata: bool = False
+    response_id: str, model: str, result: GenerationResult, shaping: Shaping = Shaping()
 ) -> dict[str, Any]:
+    texts, exts = _shaped(result, shaping)
     choices = [
         {
             "index": i,
@@ -88,8 +144,11 @@ def chat_completion(
             "logprobs": None,
             "flashrec": ext,
         }
-        for i, (text, ext) in enumerate(zip(sid_texts(result), choice_extensions(result, metadata)))
+        for i, (text, ext) in enumerate(zip(texts, exts))
     ]
+    ext = extension([result])
+    if shaping.n_items is not None:
+        ext["items"], ext["deduplicated_items"] = item_list(result, exts, texts, shaping)
     return {
         "id": response_id,
         "object": "chat.completion",
@@ -97,20 +156,28 @@ def chat_completion(
         "model": model,
         "choices": choices,
         "usage": usage([result]),
-        "flashrec": extension([result]),
+        "flashrec": ext,
     }
 
 
 def completion(
-    response_id: str, model: str, results: Sequence[GenerationResult], metadata: bool = False
+    response_id: str, model: str, results: Sequence[GenerationResult], shaping: Shaping = Shaping()
 ) -> dict[str, Any]:
-    choices = []
+    choices, items, dropped = [], [], 0
     for result in results:
-        for text, ext in zip(sid_texts(result), choice_extensions(result, metadata)):
+        texts, exts = _shaped(result, shaping)
+        for text, ext in zip(texts, exts):
             choices.append({
                 "index": len(choices), "text": text, "finish_reason": "stop", "logprobs": None,
                 "flashrec": ext,
             })  # fmt: skip
+        if shaping.n_items is not None:
+            listed, repeats = item_list(result, exts, texts, shaping)
+            items.append(listed)
+            dropped += repeats
+    ext = extension(results)
+    if shaping.n_items is not None:
+        ext["items"], ext["deduplicated_items"] = items, dropped  # one list per prompt
     return {
         "id": response_id,
         "object": "text_completion",
@@ -118,7 +185,7 @@ def completion(
         "model": model,
         "choices": choices,
         "usage": usage(results),
-        "flashrec": extension(results),
+        "flashrec": ext,
     }
 
 

@@ -258,7 +258,19 @@ class EngineLoop:
                     self._cv.wait()
                 if self._exit and self.idle:
                     return
-            self.run_once()  # after stop(), this iteration retires the cancelled requests
+            try:
+                self.run_once()  # after stop(), this iteration retires the cancelled requests
+            except Exception as exc:  # a bug: fail what is in flight, keep the thread serving
+                logger.exception("engine loop iteration failed")
+                self._fail_everything(exc)
+
+    def _fail_everything(self, exc: Exception) -> None:
+        for wave in list(self._waves):
+            self.wave.release(wave.state, False)
+            for h in wave.handles:
+                if not h.future.done():
+                    h.future.set_exception(exc)
+        self._waves.clear()
 
     # -- one iteration --------------------------------------------------------------------
 
@@ -379,8 +391,13 @@ class EngineLoop:
             out = assemble_results(
                 self.wave.output(state), state.requests, state.cached_lens, self.decoder
             )
-        finally:
-            self.wave.release(state, True)
+        except Exception as exc:  # a bug: these requests fail, the loop keeps serving
+            logger.exception("results of %d requests could not be assembled", len(wave.handles))
+            self.wave.release(state, False)
+            for h in wave.handles:
+                h.future.set_exception(exc)
+            return
+        self.wave.release(state, True)
         self._invalid += out.invalid
         if out.invalid:
             logger.error("%d returned beams are not catalog SIDs (a search bug)", out.invalid)

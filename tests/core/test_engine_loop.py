@@ -24,16 +24,25 @@ ATOL_SAME_ENGINE = 1e-5  # one fp32 engine, two batch compositions (see beam_con
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from flashrec_core.demo import write_demo
 
     path = tmp_path_factory.mktemp("loop") / "ckpt"
     write_demo(path, "Qwen3ForCausalLM", (16, 16, 16), num_items=800, seed=1)
+    return path
+
+
+def make_engine(path: Path) -> Engine:
     cfg = EngineConfig(model_path=str(path), device="cpu", kv_cache_tokens=4096, max_wave_rows=64,
                        show_progress=False)  # fmt: skip
     return Engine.from_config(
         cfg, SearchConfig(catalog_path=str(path / "catalog.json")), max_queue=8
     )
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Engine:
+    return make_engine(checkpoint)
 
 
 def assert_idle(engine: Engine) -> None:
@@ -128,7 +137,31 @@ def test_waves_group_one_width_and_keep_arrival_order(engine: Engine) -> None:
     assert_idle(engine)
 
 
-def test_background_thread_serves_and_stops(tmp_path: Path, engine: Engine) -> None:
+def test_a_failing_iteration_fails_its_requests_and_the_thread_keeps_serving(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(checkpoint)
+    loop = engine.loop
+    loop.start()
+    try:
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated result assembly bug")
+
+        monkeypatch.setattr("flashrec_core.engine.loop.assemble_results", broken)
+        handle = loop.submit(engine.make_request(prompt="w1 w2", n=4))
+        with pytest.raises(RuntimeError, match="simulated"):
+            handle.future.result(timeout=30)
+        monkeypatch.undo()
+        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
+        assert len(result.choices) == 4
+    finally:
+        loop.stop(grace_s=5)
+    assert_idle(engine)
+
+
+def test_background_thread_serves_and_stops(checkpoint: Path) -> None:
+    engine = make_engine(checkpoint)
     loop = engine.loop
     loop.start()
     try:

@@ -114,6 +114,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="open-loop rates: fractions of saturation (<= 1.5) or requests/s")  # fmt: skip
     e2e.add_argument("--concurrency", type=int, default=64, help="closed-loop saturation run")
     e2e.add_argument("--api-key", default=None)
+    e2e.add_argument("--exclude-items", type=int, default=0,
+                     help="with --engine: each request excludes this many random items")  # fmt: skip
+    e2e.add_argument("--allow-items", type=int, default=0,
+                     help="with --engine: each request allows only this many random items")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
@@ -465,7 +469,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
     if args.engine:
         result = e2e.bench_engine(
             Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
-            level_sizes,
+            level_sizes, exclude_items=args.exclude_items, allow_items=args.allow_items,
         )  # fmt: skip
     else:
         from flashrec_core.bench.load import run_server_bench

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -92,6 +92,12 @@ for what in "${@:-tests}"; do
         --concurrency 64 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
       curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
       echo "serve exit $?"; tail -5 "$out/serve.log" ;;
+    filters)  # the cost of per-request item filters at n=512 (issue 13): none, 10k excluded, 1k allowed
+      ck=/tmp/bench-ckpt
+      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      for f in "" "--exclude-items 10000" "--allow-items 1000"; do
+        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 | grep -E "requests_per_s|percent|eager|items"
+      done ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

@@ -70,9 +70,12 @@ def _bench_tokenizer(vocab_size: int, level_sizes: tuple[int, ...]) -> Any:
 def bench_engine(
     model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
+    exclude_items: int = 0, allow_items: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
-    shapes, same shared prefix), and the latency of one request alone."""
+    shapes, same shared prefix), and the latency of one request alone. With `exclude_items` /
+    `allow_items`, every request carries an item filter of that many random catalog items
+    (built before the clock starts, as a server builds it before submitting)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
     from flashrec_core.engine.scheduler import plan_waves
@@ -84,6 +87,8 @@ def bench_engine(
     for i in range(2):  # warm-up: JIT, graph captures of every wave shape, allocator growth
         engine.generate(synthetic_requests(spec, layout, seed, body_seed=seed + 1 + i))
     requests = synthetic_requests(spec, layout, seed, body_seed=seed + 100)
+    if exclude_items or allow_items:
+        requests = _with_filters(engine, requests, exclude_items, allow_items, seed)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
@@ -122,9 +127,32 @@ def bench_engine(
         "short_results": sum(len(r.choices) < n for r in results),
         "graph_replays": graphs.stats.replays if graphs else 0,
         "eager_steps": graphs.stats.eager_steps if graphs else None,
+        "exclude_items": exclude_items,
+        "allow_items": allow_items,
         "kv_cache_dtype": ecfg.kv_cache_dtype,
         "quantization": ecfg.quantization,
     }
+
+
+def _with_filters(
+    engine: Any, requests: list[GenerationRequest], exclude: int, allow: int, seed: int
+) -> list[GenerationRequest]:
+    from dataclasses import replace
+
+    rng = np.random.default_rng(seed + 7)
+    items = engine.catalog_index.item_ids
+    out = []
+    for req in requests:
+        ex = (
+            [items[i] for i in rng.choice(len(items), size=exclude, replace=False)]
+            if exclude
+            else ()
+        )
+        al = (
+            [items[i] for i in rng.choice(len(items), size=allow, replace=False)] if allow else None
+        )
+        out.append(replace(req, item_filter=engine.create_filter(ex, al)))
+    return out
 
 
 def _single_latencies(engine: Any, spec: RequestSpec, seed: int, runs: int) -> list[float]:

@@ -79,7 +79,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (docs/serving.md)")
     add_engine_args(serve)
-    add_search_args(serve)
+    add_search_args(serve, named_catalogs=True)
     add_server_args(serve)
     _defaults_from_settings(serve)
     serve.set_defaults(func=cmd_serve)
@@ -180,8 +180,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log engine decisions")
 
 
-def add_search_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--catalog", default=None, help="catalog file (.json/.csv/.tsv)")
+def add_search_args(p: argparse.ArgumentParser, named_catalogs: bool = False) -> None:
+    if named_catalogs:
+        p.add_argument(
+            "--catalog", action="append", default=None, metavar="[NAME=]FILE",
+            help="the default catalog FILE, or a further named catalog NAME=FILE (repeatable)",
+        )  # fmt: skip
+    else:
+        p.add_argument("--catalog", default=None, help="catalog file (.json/.csv/.tsv)")
     p.add_argument("--sid-normalization", choices=["level", "sid"], default="level")
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument(
@@ -295,6 +301,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     }
     if "warmup_n" in overrides:
         overrides["warmup_n"] = _int_list(overrides["warmup_n"])
+    default, named = _split_catalogs(given.pop("catalog", None) or [])
+    if default is not None:
+        given["catalog"] = default
+    if named:
+        overrides["catalogs"] = named
     engine, search = engine_fields(args), search_fields(args)
     if engine:
         overrides["engine"] = engine
@@ -307,6 +318,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(_settings_error(exc)) from None
         settings = load_settings(_embedded_overrides(overrides), given.get("config"))
     return serve(settings)
+
+
+def _split_catalogs(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """`--catalog FILE` (the default, once) and `--catalog NAME=FILE` (further named ones)."""
+    import re
+
+    default, named = None, {}
+    for value in values:
+        match = re.fullmatch(r"([A-Za-z0-9._-]{1,64})=(.+)", value)
+        if match is None:
+            if default is not None:
+                raise ValueError(f"--catalog {value}: a second unnamed catalog; name it NAME=FILE")
+            default = value
+        elif match.group(1) in named or match.group(1) == "default":
+            raise ValueError(f"--catalog {value}: the name {match.group(1)!r} is taken")
+        else:
+            named[match.group(1)] = match.group(2)
+    return default, named
 
 
 def _lacks_model_path(exc: Any) -> bool:

@@ -9,7 +9,9 @@ the wave ends, whatever happens.
 
 from __future__ import annotations
 
+import gc
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -17,7 +19,8 @@ from functools import partial
 import torch
 
 from flashrec_core.config import triton_usable
-from flashrec_core.engine.cuda_graph import DecodeGraphs
+from flashrec_core.engine.catalogs import CatalogVersion
+from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.kvcache import KVPool
@@ -71,6 +74,10 @@ class WaveState:
     device_slots: torch.Tensor | None = None  # decode_slots on the device
     noise: _NoiseSource | None = None
     masks: FilterMasks | None = None  # per-request item filters, when any request has one
+    trie: Trie | None = None  # the trie of the wave's catalog version
+    index: CatalogIndex | None = None  # and its filter index
+    variant: GraphVariant | None = None  # the graphs of that version (None: the default trie)
+    version: CatalogVersion | None = None
 
 
 class BeamWave:
@@ -100,8 +107,10 @@ class BeamWave:
             runner.device.type == "cuda" and ecfg.enable_fused_trie_topk and triton_usable(ecfg)[0]
         )
         """Selection through the fused trie-mask + top-k Triton kernel (else its torch reference)."""
-        self.graphs = DecodeGraphs.create(runner, self._graph_step)
+        self.graphs = DecodeGraphs.create(runner, partial(self._graph_step, trie))
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
+        self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
+        self._in_flight: Counter[int] = Counter()
         self.eager_padding: Callable[[list[int]], int] | None = None
         """Without graphs: pad each wave to this many requests anyway (tests of the padding)."""
         self.timeline: list[tuple[str, torch.cuda.Event]] | None = None
@@ -133,6 +142,7 @@ class BeamWave:
         """Allocate the wave's KV, run its prefill and first selection. On any error (a pool
         too small, say) everything taken so far is handed back before the error propagates."""
         state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
+        self._bind_catalog(state)
         try:
             self._allocate(state)
             self._prefill(state)
@@ -140,6 +150,33 @@ class BeamWave:
             self.release(state, False)
             raise
         return state
+
+    def _bind_catalog(self, state: WaveState) -> None:
+        """The wave's catalog version (every request of a wave has the same one), its trie on
+        the device and its graph variant; without one, the default trie of this BeamWave."""
+        version = state.requests[0].catalog if state.requests else None
+        if version is None:
+            state.trie, state.index = self.trie, self.catalog_index
+            return
+        state.version, state.index = version, version.index
+        state.trie = version.trie(self.runner.device)
+        state.variant = GraphVariant(version.version, partial(self._graph_step, state.trie))
+        self._versions[version.version] = version
+        self._in_flight[version.version] += 1
+
+    def _sweep_versions(self) -> None:
+        """Forget replaced catalog versions once no wave uses them: their graphs and their
+        device trie go (the memory is freed)."""
+        swept = False
+        for key, version in list(self._versions.items()):
+            if version.retired and self._in_flight[key] == 0:
+                if self.graphs is not None:
+                    self.graphs.forget(key)
+                version.drop_device_trie()
+                del self._versions[key], self._in_flight[key]
+                swept = True
+        if swept:  # finished requests and futures form cycles: free the host side now too
+            gc.collect()
 
     def _allocate(self, state: WaveState) -> None:
         """Match and lock every prompt's cached prefix, make room for the whole wave at once
@@ -176,6 +213,10 @@ class BeamWave:
         unlocked and request-table rows removed either way. Safe on a partly built state."""
         self._release_requests(state, range(len(state.locked)), done)
         self.runner.allocator.free(state.decode_slots.flatten())
+        if state.version is not None:
+            self._in_flight[state.version.version] -= 1
+            state.version = None
+        self._sweep_versions()
         state.decode_slots = state.decode_slots[:0]
         state.requests, state.table_rows, state.prompt_slots = [], [], []
         state.cached_lens, state.locked = [], []
@@ -239,9 +280,9 @@ class BeamWave:
         device, requests = self.runner.device, state.requests
         prompts = [list(r.prompt_ids) for r in requests]
         state.noise = _NoiseSource(requests, device)
-        if self.catalog_index is not None:
+        if state.index is not None:
             filters = [r.item_filter for r in requests]
-            state.masks = FilterMasks.create(filters, self.catalog_index, self.trie, device)
+            state.masks = FilterMasks.create(filters, state.index, state.trie, device)
         elif any(r.item_filter is not None for r in requests):
             raise ValueError("item filters need a catalog (--catalog)")
         first = BeamLayout.create([1] * len(requests), device)
@@ -253,7 +294,7 @@ class BeamWave:
         zeros = torch.zeros(len(requests), device=device)
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
         state.sel = self._select(
-            hidden, 0, zeros, nodes, first, state.layout, state.noise, state.masks
+            hidden, 0, zeros, nodes, first, state.layout, state.noise, state.masks, state.trie
         )
         state.codes = state.sel.code[:, None]
         state.path_scores = state.sel.score[:, None]
@@ -288,14 +329,15 @@ class BeamWave:
             row_request=row_request, history=history, own=own,
         )  # fmt: skip
         if self.graphs is not None and padded is not None:
-            sel = self.graphs.run(level, step, sel.score, sel.node, beams)
+            sel = self.graphs.run(level, step, sel.score, sel.node, beams, state.variant)
         else:
             if self.graphs is not None:
                 self.graphs.count_eager(1)
             hidden = self.runner.forward(step)
             sel = self._select(
-                hidden, level, sel.score, sel.node, beams, beams, state.noise, state.masks
-            )
+                hidden, level, sel.score, sel.node, beams, beams, state.noise, state.masks,
+                state.trie,
+            )  # fmt: skip
         rows = real.num_rows  # real rows come first and never pick a pad row as parent
         parent = sel.parent[:rows]
         state.history = torch.cat([history, own[:, None]], dim=1)[parent]
@@ -332,25 +374,29 @@ class BeamWave:
         out: BeamLayout,
         noise: _NoiseSource,
         masks: FilterMasks | None = None,
+        trie: Trie | None = None,
     ) -> Selection:
+        trie = trie or self.trie
         log_probs = self.head.log_probs(hidden, level)
         if masks is not None:
-            log_probs = masks.apply(self.trie, level, nodes, parents.row_request, log_probs)
+            log_probs = masks.apply(trie, level, nodes, parents.row_request, log_probs)
         return expand_beams(
-            self.trie, level, nodes, parent_score.float(), log_probs, parents, out,
-            noise.draw(parents, self.trie.max_children(level)), use_kernel=self.trie_kernel,
+            trie, level, nodes, parent_score.float(), log_probs, parents, out,
+            noise.draw(parents, trie.max_children(level)), use_kernel=self.trie_kernel,
         )  # fmt: skip
 
     def _graph_step(
         self,
+        trie: Trie,
         level: int,
         hidden: torch.Tensor,
         parent_score: torch.Tensor,
         nodes: torch.Tensor,
         layout: BeamLayout,
     ) -> Selection:
-        """The captured part of a beam step after the forward: greedy selection, no noise."""
-        return self._select(hidden, level, parent_score, nodes, layout, layout, _GREEDY)
+        """The captured part of a beam step after the forward over `trie`: greedy selection,
+        no noise (its tables are baked into the graph, hence one graph variant per trie)."""
+        return self._select(hidden, level, parent_score, nodes, layout, layout, _GREEDY, None, trie)
 
 
 @dataclass(frozen=True)

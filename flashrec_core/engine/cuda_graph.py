@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -37,6 +37,14 @@ logger = logging.getLogger("flashrec")
 
 StepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, BeamLayout], Selection]
 """(level, hidden [R, H], parent score [R], parent node [R], layout) -> the step's Selection."""
+
+
+class GraphVariant(NamedTuple):
+    """A step function with the tensors it bakes into its graphs (a catalog version's trie),
+    and the key its graphs are kept under (`forget(key)` drops them)."""
+
+    key: int
+    step_fn: StepFn
 
 
 def capture_request_counts(width: int, max_rows: int) -> list[int]:
@@ -86,8 +94,8 @@ class DecodeGraphs:
         self.step_fn = step_fn
         self.max_rows = max_rows
         self.stats = GraphStats()
-        self._graphs: dict[tuple[int, int, int], _StepGraph] = {}
-        self._failed: dict[tuple[int, int, int], str] = {}  # shape -> why its capture failed
+        self._graphs: dict[tuple[int, int, int, int], _StepGraph] = {}
+        self._failed: dict[tuple[int, int, int, int], str] = {}  # shape -> why capture failed
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -135,30 +143,39 @@ class DecodeGraphs:
 
     def run(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
-        layout: BeamLayout,
+        layout: BeamLayout, variant: GraphVariant | None = None,
     ) -> Selection:  # fmt: skip
-        """One beam step by graph replay (captured on first use of this shape)."""
-        return self._step(level, step, score, node, layout, replay=True)
+        """One beam step by graph replay (captured on first use of this shape and variant;
+        no variant: the step function the graphs were created with, key 0)."""
+        return self._step(level, step, score, node, layout, True, variant)
 
     def run_uncaptured(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
-        layout: BeamLayout,
+        layout: BeamLayout, variant: GraphVariant | None = None,
     ) -> Selection:  # fmt: skip
         """The same step, same buffers and plan, executed eagerly instead of replayed: the
         reference a replay must equal exactly (tests)."""
-        return self._step(level, step, score, node, layout, replay=False)
+        return self._step(level, step, score, node, layout, False, variant)
+
+    def forget(self, variant_key: int) -> None:
+        """Drop the graphs of a variant (a catalog version no request uses any more)."""
+        for key in [k for k in self._graphs if k[0] == variant_key]:
+            del self._graphs[key]
+        for key in [k for k in self._failed if k[0] == variant_key]:
+            del self._failed[key]
 
     def _step(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
-        layout: BeamLayout, replay: bool,
+        layout: BeamLayout, replay: bool, variant: GraphVariant | None,
     ) -> Selection:  # fmt: skip
         rows = layout.num_rows
-        key = (level, layout.widths.numel(), layout.max_width)
+        variant = variant or GraphVariant(0, self.step_fn)
+        key = (variant.key, level, layout.widths.numel(), layout.max_width)
         if key in self._failed:  # this shape could not be captured: its steps stay eager
             self._eager_reason = self._failed[key]
             self.count_eager(1)
             hidden = self.runner.forward(step)
-            return self.step_fn(level, hidden, score, node, layout)
+            return variant.step_fn(level, hidden, score, node, layout)
         graph = self._graphs.get(key)
         with torch.inference_mode():
             self._ids[:rows].copy_(step.input_ids, non_blocking=True)
@@ -168,12 +185,12 @@ class DecodeGraphs:
             self._node[:rows].copy_(node)
             if graph is None:
                 try:
-                    graph = self._capture(key, step, layout)
+                    graph = self._capture(key, step, layout, variant.step_fn)
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
                     self._failed[key] = (
-                        f"capture of level {level}, {key[1]} x {key[2]} failed: {exc}"
+                        f"capture of level {level}, {key[2]} x {key[3]} failed: {exc}"
                     )
-                    return self._step(level, step, score, node, layout, replay)
+                    return self._step(level, step, score, node, layout, replay, variant)
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
             if replay:
@@ -186,9 +203,10 @@ class DecodeGraphs:
                              out.score.clone())  # fmt: skip
 
     def _capture(
-        self, key: tuple[int, int, int], step: StepInput, layout: BeamLayout
-    ) -> _StepGraph:
-        level, num_requests, _ = key
+        self, key: tuple[int, int, int, int], step: StepInput, layout: BeamLayout,
+        step_fn: StepFn,
+    ) -> _StepGraph:  # fmt: skip
+        _, level, num_requests, _ = key
         rows = layout.num_rows
         start = time.perf_counter()
         attention = self.runner.attn_backend.graph_attention(num_requests, rows)
@@ -198,7 +216,7 @@ class DecodeGraphs:
             hidden = self.runner.forward_batch(
                 self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
             )
-            return self.step_fn(level, hidden, self._score[:rows], self._node[:rows], layout)
+            return step_fn(level, hidden, self._score[:rows], self._node[:rows], layout)
 
         # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
         # same K/V the replay writes, so it is harmless.

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import BeamWave
+from flashrec_core.engine.catalogs import DEFAULT_CATALOG, CatalogSet, CatalogVersion
 from flashrec_core.engine.loop import EngineLoop, Limits, wait_all
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult, ResultDecoder
 from flashrec_core.registry import Registry, read_model_config
-from flashrec_core.search.catalog import Catalog
+from flashrec_core.search.catalog import Catalog, CatalogError
 from flashrec_core.search.catalog_formats import load_catalog
 from flashrec_core.search.filters import AttrFilters, CatalogIndex, FilterError, ItemFilter
 from flashrec_core.search.lm_head import RestrictedLMHead
@@ -44,17 +46,22 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.layout = layout
-        self.catalog = catalog
         self.search = search
         self.trie = self._create_trie(catalog, layout, search, runner.device)
+        """The startup default catalog's trie (its depth is every catalog's depth)."""
         head = RestrictedLMHead(
             runner.lm_head(), runner.lm_head_bias(), layout, search.sid_normalization,
             logit_softcap=runner.final_logit_softcap,
         )  # fmt: skip
-        self.catalog_index = CatalogIndex(catalog) if catalog is not None else None
-        """Item id -> SID rows and trie ancestors, for per-request item filters."""
-        self.wave = BeamWave(runner, head, self.trie, layout, self.catalog_index)
-        self.decoder = ResultDecoder(layout, catalog, search.length_penalty)
+        index = CatalogIndex(catalog) if catalog is not None else None
+        self.catalogs = CatalogSet()
+        """Named catalogs, each at its current version; requests bind one when made."""
+        default = self._new_version(DEFAULT_CATALOG, catalog, self.trie.to("cpu"), index,
+                                    search.catalog_path or "<none>")  # fmt: skip
+        default._device_trie = self.trie
+        self.catalogs.put(default)
+        self.wave = BeamWave(runner, head, self.trie, layout, index)
+        self.decoder = default.decoder
         ecfg = runner.loaded.engine_config
         limits = Limits(
             max_wave_rows=ecfg.max_wave_rows, max_context=runner.request_table.max_context,
@@ -62,6 +69,39 @@ class Engine:
         )  # fmt: skip
         self.loop = EngineLoop(self.wave, self.decoder, limits)
         """Admits, steps and retires requests; `generate` and the server are its clients."""
+
+    @property
+    def catalog(self) -> Catalog | None:
+        """The current default catalog."""
+        return self.catalogs.get().catalog
+
+    @property
+    def catalog_index(self) -> CatalogIndex | None:
+        return self.catalogs.get().index
+
+    def _new_version(
+        self, name: str, catalog: Catalog | None, host_trie: Trie, index: CatalogIndex | None,
+        source: str,
+    ) -> CatalogVersion:  # fmt: skip
+        decoder = ResultDecoder(self.layout, catalog, self.search.length_penalty)
+        return CatalogVersion(name, self.catalogs.next_version(), catalog, host_trie, index,
+                              decoder, source)  # fmt: skip
+
+    def add_catalog(
+        self, name: str, path: str | Path
+    ) -> tuple[CatalogVersion, CatalogVersion | None]:
+        """Load a catalog file as the new current version of `name` (built on this thread, the
+        trie moved to the device by the engine thread on first use); returns (new, replaced).
+        Requests in flight keep the version they started with."""
+        catalog = load_catalog(path, self.layout.level_sizes)
+        if catalog.depth != self.trie.depth:
+            raise CatalogError(
+                f"catalog {path} has SIDs of depth {catalog.depth}; this engine serves depth "
+                f"{self.trie.depth} (every catalog of a server has the model's SID depth)"
+            )
+        host = build_trie(catalog.codes, catalog.level_sizes, kind=self.search.trie_kind)
+        version = self._new_version(name, catalog, host, CatalogIndex(catalog), str(path))
+        return version, self.catalogs.put(version)
 
     @classmethod
     def from_config(
@@ -140,24 +180,29 @@ class Engine:
         exclude_items: Sequence[str] = (),
         allow_items: Sequence[str] | None = None,
         filters: AttrFilters | None = None,
+        catalog: str | None = None,
     ) -> GenerationRequest:
         ids = self.encode_prompt(prompt, messages)
-        item_filter = self.create_filter(exclude_items, allow_items, filters)
-        return GenerationRequest(tuple(ids), n, temperature, seed, item_filter)
+        version = self.catalogs.get(catalog)
+        item_filter = self.create_filter(exclude_items, allow_items, filters, version)
+        return GenerationRequest(tuple(ids), n, temperature, seed, item_filter, version)
 
     def create_filter(
         self,
         exclude_items: Sequence[str] = (),
         allow_items: Sequence[str] | None = None,
         filters: AttrFilters | None = None,
+        version: CatalogVersion | None = None,
     ) -> ItemFilter | None:
-        """A request's item filter (None when it filters nothing); FilterError when it leaves
-        no item, names an unknown attribute, or the engine has no catalog."""
+        """A request's item filter over `version` (default: the current default catalog), or
+        None when it filters nothing; FilterError when it leaves no item, names an unknown
+        attribute, or there is no catalog."""
         if not exclude_items and allow_items is None and not filters:
             return None
-        if self.catalog_index is None:
+        index = (version or self.catalogs.get()).index
+        if index is None:
             raise FilterError("item filters need a catalog (--catalog)", "exclude_items")
-        return self.catalog_index.create_filter(exclude_items, allow_items, filters)
+        return index.create_filter(exclude_items, allow_items, filters)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run beam search for every request through the engine loop (requests of one n share

@@ -300,6 +300,7 @@ class EngineLoop:
             wave.handles = [h for h, k in zip(wave.handles, mask) if k]
             if not wave.handles:
                 self._waves.remove(wave)
+                self.wave.release(wave.state, False)  # nothing left but its catalog reference
 
     @staticmethod
     def _fail_if_done(h: RequestHandle, now: float) -> bool:
@@ -341,17 +342,20 @@ class EngineLoop:
             self._finish(wave)
 
     def _take_wave(self) -> list[RequestHandle]:
-        """The oldest queued request and further queued requests of its n, within budgets."""
+        """The oldest queued request and further queued requests of its n and catalog version,
+        within budgets."""
         runner = self.wave.runner
         table_free = len(runner.request_table.lengths) - runner.request_table.num_active
         cap = min(table_free, self._admit_cap or table_free)
         with self._cv:
             if not self._queue or cap == 0:
                 return []
-            n = self._queue[0].request.n
+            head = self._queue[0].request
+            n, catalog = head.n, head.catalog  # one width and one catalog version per wave
             taken, rest, rows = [], deque(), 0
             for h in self._queue:
-                fits = h.request.n == n and rows + n <= self.limits.max_wave_rows
+                same = h.request.n == n and h.request.catalog is catalog
+                fits = same and rows + n <= self.limits.max_wave_rows
                 if fits and len(taken) < cap:
                     taken.append(h)
                     rows += n
@@ -388,8 +392,9 @@ class EngineLoop:
         self._waves.remove(wave)
         state = wave.state
         try:
+            decoder = state.version.decoder if state.version is not None else self.decoder
             out = assemble_results(
-                self.wave.output(state), state.requests, state.cached_lens, self.decoder
+                self.wave.output(state), state.requests, state.cached_lens, decoder
             )
         except Exception as exc:  # a bug: these requests fail, the loop keeps serving
             logger.exception("results of %d requests could not be assembled", len(wave.handles))

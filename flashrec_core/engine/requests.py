@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from flashrec_core.engine.catalogs import CatalogVersion
     from flashrec_core.search.catalog import Catalog
     from flashrec_core.search.filters import ItemFilter
     from flashrec_core.search.sid_layout import SidLayout
@@ -30,6 +31,8 @@ class GenerationRequest:
     seed: int | None = None
     item_filter: ItemFilter | None = None
     """Which catalog items this request may return (applied inside the search)."""
+    catalog: CatalogVersion | None = None
+    """The catalog version it searches (bound when the request is made; None: the default)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -98,6 +101,7 @@ class GenerationResult:
     notes: list[str] = field(default_factory=list)
     timings: RequestTimings | None = None
     item_filter: ItemFilter | None = None
+    catalog: tuple[str, int] | None = None  # (name, version) of the catalog searched
 
     def items_of(self, node: int) -> tuple[str, ...]:
         """The catalog items of a returned SID that this request's filter keeps."""

@@ -64,6 +64,7 @@ def assemble_results(
                 cached_tokens=cached,
                 notes=notes,
                 item_filter=req.item_filter,
+                catalog=(req.catalog.name, req.catalog.version) if req.catalog else None,
             )  # fmt: skip
         )
     return WaveResults(results, invalid)

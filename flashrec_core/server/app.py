@@ -14,6 +14,8 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,11 +23,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.loop import (
     EngineStoppedError,
@@ -40,6 +43,9 @@ from flashrec_core.server.errors import APIError, install_error_handlers
 from flashrec_core.server.metrics import ServerMetrics
 from flashrec_core.server.middleware import RequestLogMiddleware
 from flashrec_core.server.protocol import (
+    CatalogInfo,
+    CatalogList,
+    CatalogUpload,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -90,7 +96,8 @@ class ServerState:
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    state = ServerState(engine, settings, ServerMetrics(engine.loop.stats))
+    metrics = ServerMetrics(engine.loop.stats, (engine.catalogs.current, engine.catalogs.live))
+    state = ServerState(engine, settings, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -199,6 +206,36 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(engine, settings)]}
 
+    @app.get("/v1/catalogs", response_model=CatalogList, responses={401: ERRORS[401]},
+             dependencies=[Depends(authorize)])  # fmt: skip
+    async def catalogs() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [v.describe() for v in engine.catalogs.current()],
+            "live_versions": [v.describe() for v in engine.catalogs.live()],
+        }
+
+    @app.post("/v1/catalogs/{name}", response_model=CatalogInfo, dependencies=[Depends(authorize)],
+              responses={400: ERRORS[400], 401: ERRORS[401]})  # fmt: skip
+    async def put_catalog(
+        body: CatalogUpload, name: str = Path(pattern=CATALOG_NAME, max_length=64)
+    ) -> dict[str, Any]:
+        """Load a catalog as the new version of `name`, built off the engine thread; requests
+        in flight finish on the version they started with."""
+        version = await run_in_threadpool(_load_catalog, engine, name, body)
+        logger.info("catalog %s: version %d from %s", name, version.version, version.source)
+        return version.describe()
+
+    @app.delete("/v1/catalogs/{name}", response_model=CatalogInfo,
+                dependencies=[Depends(authorize)], responses=ERRORS)  # fmt: skip
+    async def delete_catalog(name: str) -> dict[str, Any]:
+        try:
+            return engine.catalogs.remove(name).describe()
+        except CatalogNotFoundError as exc:
+            raise APIError(404, exc.args[0], "name", "catalog_not_found") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "name", "invalid_value") from None
+
     @app.get("/health", response_model=Health)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -303,6 +340,29 @@ def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
             "max_beam_rows": limits.max_wave_rows,
         },
     }
+
+
+CATALOG_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+
+
+def _load_catalog(engine: Engine, name: str, body: CatalogUpload) -> Any:
+    """A catalog from a server-side path or the uploaded object (written to a temporary file,
+    so both go through the same loader and its checks)."""
+    if (body.path is None) == (body.catalog is None):
+        raise APIError(400, "send exactly one of `path` or `catalog`", "path", "invalid_value")
+    try:
+        if body.path is not None:
+            return engine.add_catalog(name, body.path)[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"{name}.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(body.catalog, f)
+            return engine.add_catalog(name, path)[0]
+    except (ValueError, OSError) as exc:  # CatalogError is a ValueError; a missing file
+        param = "path" if body.path is not None else "catalog"
+        raise APIError(
+            400, f"catalog {name!r} was not loaded: {exc}", param, "bad_catalog"
+        ) from None
 
 
 def _version() -> str:

@@ -27,6 +27,9 @@ def serve(settings: ServerSettings) -> int:
 
     logger.info("loading %s", settings.engine.model_path)
     engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
+    for name, path in settings.catalogs.items():
+        number = engine.add_catalog(name, path)[0].version  # keep no reference: it may be swapped
+        logger.info("catalog %s: %s (version %d)", name, path, number)
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, access_log=False, log_level="info",

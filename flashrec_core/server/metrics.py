@@ -9,6 +9,7 @@ they are never stale.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,8 +60,30 @@ class _EngineCollector(Collector):
         )
 
 
+class _CatalogCollector(Collector):
+    def __init__(self, versions: Callable[[], list[Any]], live: Callable[[], list[Any]]) -> None:
+        self._versions, self._live = versions, live
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        current = GaugeMetricFamily(
+            "flashrec_catalog_version", "current version of each named catalog", labels=["name"]
+        )
+        for v in self._versions():
+            current.add_metric([v.name], v.version)
+        yield current
+        yield GaugeMetricFamily(
+            "flashrec_catalog_live_versions",
+            "catalog versions still in memory (current ones + ones requests still use)",
+            value=len(self._live()),
+        )
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], LoopStats | None],
+        catalogs: tuple[Callable[[], list[Any]], Callable[[], list[Any]]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "flashrec_requests", "HTTP requests answered, by endpoint and status",
@@ -84,6 +107,8 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineCollector(stats))
+        if catalogs is not None:
+            self.registry.register(_CatalogCollector(*catalogs))
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

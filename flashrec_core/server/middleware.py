@@ -19,8 +19,8 @@ from flashrec_core.server.metrics import ServerMetrics
 
 logger = logging.getLogger("flashrec.server")
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
-             "/metrics"}  # fmt: skip
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/catalogs", "/health",
+             "/ready", "/metrics"}  # fmt: skip
 
 
 class RequestLogMiddleware:
@@ -50,7 +50,11 @@ class RequestLogMiddleware:
         finally:
             path = scope.get("path", "")
             seconds = time.perf_counter() - start
-            endpoint = path if path in ENDPOINTS else "other"
+            endpoint = (
+                path
+                if path in ENDPOINTS
+                else ("/v1/catalogs/{name}" if path.startswith("/v1/catalogs/") else "other")
+            )
             self.metrics.observe(endpoint, status, seconds)
             if self.enabled and endpoint not in ("/metrics", "/health", "/ready"):
                 logger.info("%s %s %s %d %.1f ms", rid, scope.get("method"), path, status,

@@ -50,6 +50,10 @@ class _SearchFields(_Strict):
     timeout: FiniteFloat | None = Field(
         default=None, gt=0.0, description="FlashRec: seconds before the request fails with 504"
     )
+    catalog: str | None = Field(
+        default=None, max_length=64,
+        description="FlashRec: which named catalog to search (GET /v1/catalogs); default 'default'",
+    )  # fmt: skip
     exclude_items: list[str] = Field(
         default_factory=list, max_length=1_000_000,
         description="FlashRec: catalog item ids never to return (seen, bought); applied inside "
@@ -158,6 +162,8 @@ class Usage(BaseModel):
 class ResponseExtension(BaseModel):
     """FlashRec's per-response fields (`flashrec`)."""
 
+    catalog: str | None = Field(description="the named catalog searched")
+    catalog_version: int | None = Field(description="its version (changes on every reload)")
     notes: list[str] = Field(description="e.g. fewer reachable items than n")
     queue_ms: float
     prefill_ms: float
@@ -208,6 +214,33 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class CatalogUpload(_Strict):
+    """POST /v1/catalogs/{name}: a catalog file the server may read, or the catalog itself."""
+
+    path: str | None = Field(default=None, description="a catalog file on the server's disk")
+    catalog: dict[str, Any] | None = Field(
+        default=None, description="the catalog's JSON object, as in a .json catalog file"
+    )
+
+
+class CatalogInfo(BaseModel):
+    name: str
+    version: int
+    sids: int | None
+    items: int | None
+    device_bytes: int
+    host_bytes: int
+    source: str
+    loaded_at: int
+    retired: bool
+
+
+class CatalogList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[CatalogInfo]
+    live_versions: list[CatalogInfo] = Field(description="current ones and ones still in use")
 
 
 class Health(BaseModel):

@@ -124,7 +124,10 @@ def extension(results: Sequence[GenerationResult]) -> dict[str, Any]:
     def worst(field: str) -> float:
         return round(1e3 * max((getattr(t, field) for t in timed), default=0.0), 3)
 
+    name, version = results[0].catalog if results and results[0].catalog else (None, None)
     return {
+        "catalog": name,
+        "catalog_version": version,
         "notes": [note for r in results for note in r.notes],
         "queue_ms": worst("queue_s"),
         "prefill_ms": worst("prefill_s"),

@@ -47,6 +47,9 @@ class ServerSettings(BaseSettings):
     """Deadline for requests that send no `timeout` (504 when it passes); None: no deadline."""
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     """On SIGTERM: how long requests in flight may take to finish before they are cancelled."""
+    catalogs: dict[str, str] = {}
+    """Further named catalogs, name -> file (`--catalog NAME=FILE`); the default one is
+    `search.catalog_path`. Requests pick one with their `catalog` field."""
     warmup_n: tuple[int, ...] = (10,)
     """Beam widths run once before /ready (captures their CUDA graphs on a GPU)."""
     log_requests: bool = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.loop import RequestRejectedError
 from flashrec_core.engine.requests import GenerationRequest
@@ -99,18 +100,24 @@ def _request(
 ) -> GenerationRequest:
     _check_max_tokens(engine, body.max_tokens, "max_tokens")
     n = body.n if body.n is not None else defaults.n
-    catalog = engine.catalog
+    try:
+        version = engine.catalogs.get(body.catalog)
+    except CatalogNotFoundError as exc:
+        raise APIError(404, exc.args[0], "catalog", "catalog_not_found") from None
+    catalog = version.catalog
     if catalog is not None and n > len(catalog):
         raise bad_request(
             f"n={n} exceeds the {len(catalog)} SIDs in the catalog; ask for at most {len(catalog)}",
             "n",
         )
     try:
-        item_filter = engine.create_filter(body.exclude_items, body.allow_items, body.filters)
+        item_filter = engine.create_filter(
+            body.exclude_items, body.allow_items, body.filters, version
+        )
     except FilterError as exc:
         raise bad_request(str(exc), exc.param) from None
     try:
-        req = GenerationRequest(tuple(ids), n, body.temperature, body.seed, item_filter)
+        req = GenerationRequest(tuple(ids), n, body.temperature, body.seed, item_filter, version)
         engine.loop.check(req)
     except RequestRejectedError as exc:
         param = prompt_param if exc.param == "messages" else exc.param

@@ -16,11 +16,30 @@ from flashrec_core.testing.server_process import ServerProcess
 from .conftest import API_KEY
 
 OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
-              "GET /health", "GET /ready", "GET /metrics"]  # fmt: skip
+              "GET /v1/catalogs", "GET /health", "GET /ready", "GET /metrics"]  # fmt: skip
+MUTATING = ["POST /v1/catalogs/{name}", "DELETE /v1/catalogs/{name}"]
+
+
+@pytest.fixture(scope="module")
+def own_server(checkpoint):
+    """Generated catalog uploads may replace the default catalog: not on the shared server."""
+    from .conftest import server_args
+
+    with ServerProcess(server_args(checkpoint)) as proc:
+        yield proc
 
 
 @pytest.mark.parametrize("label", OPERATIONS)
 def test_operation_honours_its_schema(server: ServerProcess, label: str) -> None:
+    _check(server, label)
+
+
+@pytest.mark.parametrize("label", MUTATING)
+def test_catalog_operations_honour_their_schema(own_server: ServerProcess, label: str) -> None:
+    _check(own_server, label)
+
+
+def _check(server: ServerProcess, label: str) -> None:
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     [operation] = [r.ok() for r in schema.get_all_operations() if r.ok().label == label]
     headers = {"Authorization": f"Bearer {API_KEY}"}

@@ -19,18 +19,16 @@ from functools import partial
 import torch
 
 from flashrec_core.config import triton_usable
+from flashrec_core.engine.beam_inputs import GREEDY, NoiseSource, Padding, prepare_beam_decode
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
-from flashrec_core.engine.model_runner import ModelRunner, SharedPrefix, StepInput, prepare_prefill
+from flashrec_core.engine.model_runner import ModelRunner, prepare_prefill
 from flashrec_core.engine.requests import GenerationRequest
-from flashrec_core.kvcache import KVPool
 from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
-    NEG_INF,
     BeamLayout,
     Selection,
     expand_beams,
-    gumbel_noise,
 )
 from flashrec_core.search.filters import CatalogIndex, FilterMasks
 from flashrec_core.search.lm_head import RestrictedLMHead
@@ -72,7 +70,7 @@ class WaveState:
     history: torch.Tensor | None = None  # [R, level - 1] decode slots of each beam's ancestors
     prompts: torch.Tensor | None = None  # every request's prompt slots back to back (device)
     device_slots: torch.Tensor | None = None  # decode_slots on the device
-    noise: _NoiseSource | None = None
+    noise: NoiseSource | None = None
     masks: FilterMasks | None = None  # per-request item filters, when any request has one
     trie: Trie | None = None  # the trie of the wave's catalog version
     index: CatalogIndex | None = None  # and its filter index
@@ -271,7 +269,7 @@ class BeamWave:
         state.device_slots = state.device_slots[dev]
         state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
         state.prompts = torch.cat([self.runner.request_table.get(t) for t in state.table_rows])
-        state.noise = _NoiseSource(state.requests, self.runner.device)
+        state.noise = NoiseSource(state.requests, self.runner.device)
         if state.masks is not None:
             kept = [i for i, k in enumerate(keep) if k]
             state.masks = state.masks.select(torch.tensor(kept, device=self.runner.device))
@@ -279,7 +277,7 @@ class BeamWave:
     def _prefill(self, state: WaveState) -> None:
         device, requests = self.runner.device, state.requests
         prompts = [list(r.prompt_ids) for r in requests]
-        state.noise = _NoiseSource(requests, device)
+        state.noise = NoiseSource(requests, device)
         if state.index is not None:
             filters = [r.item_filter for r in requests]
             state.masks = FilterMasks.create(filters, state.index, state.trie, device)
@@ -316,7 +314,7 @@ class BeamWave:
             if num_pad
             else real
         )
-        pad = _Padding(beams.num_rows, num_pad)
+        pad = Padding(beams.num_rows, num_pad)
         sel = pad.selection(state.sel)
         own = pad.slots(state.device_slots[:, level - 1])
         history = pad.slots(state.history)
@@ -372,7 +370,7 @@ class BeamWave:
         nodes: torch.Tensor,
         parents: BeamLayout,
         out: BeamLayout,
-        noise: _NoiseSource,
+        noise: NoiseSource,
         masks: FilterMasks | None = None,
         trie: Trie | None = None,
     ) -> Selection:
@@ -396,120 +394,4 @@ class BeamWave:
     ) -> Selection:
         """The captured part of a beam step after the forward over `trie`: greedy selection,
         no noise (its tables are baked into the graph, hence one graph variant per trie)."""
-        return self._select(hidden, level, parent_score, nodes, layout, layout, _GREEDY, None, trie)
-
-
-@dataclass(frozen=True)
-class _Padding:
-    """Pad requests appended to a wave for a graph shape: dead beams (score -inf) that read and
-    write only the pad slot, one pad slot of prompt each."""
-
-    rows: int
-    num_pad: int
-
-    def selection(self, sel: Selection) -> Selection:
-        return _pad_rows(sel, self.rows)
-
-    def slots(self, x: torch.Tensor, value: int = KVPool.PAD_SLOT) -> torch.Tensor:
-        return _pad_rows_of(x, self.rows, value)
-
-    def prompts(self, prompts: torch.Tensor) -> torch.Tensor:
-        if self.num_pad == 0:
-            return prompts
-        return torch.cat([prompts, prompts.new_full((self.num_pad,), KVPool.PAD_SLOT)])
-
-
-def _pad_rows(sel: Selection, rows: int) -> Selection:
-    """Selection extended to `rows` with dead pad beams (score -inf, node 0, code 0)."""
-    extra = rows - sel.score.shape[0]
-    if extra == 0:
-        return sel
-    pad = partial(torch.zeros, extra, dtype=torch.int64, device=sel.score.device)
-    dead = torch.full((extra,), NEG_INF, dtype=sel.score.dtype, device=sel.score.device)
-    return Selection(
-        torch.cat([sel.parent, pad()]),
-        torch.cat([sel.code, pad()]),
-        torch.cat([sel.node, pad()]),
-        torch.cat([sel.score, dead]),
-    )
-
-
-def _pad_rows_of(x: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    extra = rows - x.shape[0]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
-
-
-class _NoiseSource:
-    """Per-request seeded generators for temperature > 0; None when every request is greedy."""
-
-    def __init__(self, requests: list[GenerationRequest], device: torch.device) -> None:
-        self.temperatures = [r.temperature for r in requests]
-        self.device = device
-        self.generators = [
-            torch.Generator().manual_seed(r.seed if r.seed is not None else _fresh_seed())
-            if r.temperature > 0
-            else None
-            for r in requests
-        ]
-
-    @property
-    def sampling(self) -> bool:
-        return any(t > 0 for t in self.temperatures)
-
-    def draw(self, parents: BeamLayout, width: int) -> torch.Tensor | None:
-        if not self.sampling:
-            return None
-        rows = parents.widths.tolist()
-        return gumbel_noise(rows, width, self.generators, self.temperatures, self.device)
-
-
-_GREEDY = _NoiseSource([], torch.device("cpu"))
-
-
-def _fresh_seed() -> int:
-    return int(torch.randint(0, 2**62, (1,)).item())
-
-
-def prepare_beam_decode(
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    prompts: torch.Tensor,
-    prompt_lens: torch.Tensor,
-    row_request: torch.Tensor,
-    history: torch.Tensor,
-    own: torch.Tensor,
-) -> StepInput:
-    """A decode step: one token per beam row, attending to its request's prompt slots, the
-    slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R]).
-
-    `prompts` holds every request's prompt slots back to back (`prompt_lens` each, host);
-    `row_request` (host) maps rows to requests. Only the two-level view is built; its per-step
-    part (`own`, `history`) stays on the device, so the step needs no host sync. Backends that
-    want flat per-row indices derive them with `flatten_shared_prefix`.
-    """
-    num_rows = row_request.numel()
-    suffix = torch.cat([history, own[:, None]], dim=1)  # [R, s + 1]
-    shared = SharedPrefix(
-        prefix_qo_indptr=_indptr(torch.bincount(row_request, minlength=prompt_lens.numel())),
-        prefix_kv_indptr=_indptr(prompt_lens),
-        prefix_kv_indices=prompts,
-        suffix_kv_indptr=_indptr(torch.full((num_rows,), suffix.shape[1])),
-        suffix_kv_indices=suffix.flatten(),
-    )
-    return StepInput(
-        input_ids=tokens,
-        positions=positions,
-        out_cache_loc=own,
-        qo_indptr=torch.arange(num_rows + 1, dtype=torch.int64),
-        kv_indptr=_indptr(prompt_lens[row_request] + suffix.shape[1]),
-        kv_indices=None,
-        shared_prefix=shared,
-    )
-
-
-def _indptr(lengths: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    out[1:] = torch.cumsum(lengths, 0)
-    return out
+        return self._select(hidden, level, parent_score, nodes, layout, layout, GREEDY, None, trie)

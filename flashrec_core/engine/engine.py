@@ -16,7 +16,8 @@ import torch
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import BeamWave
 from flashrec_core.engine.catalogs import DEFAULT_CATALOG, CatalogSet, CatalogVersion
-from flashrec_core.engine.loop import EngineLoop, Limits, wait_all
+from flashrec_core.engine.handles import Limits
+from flashrec_core.engine.loop import EngineLoop, wait_all
 from flashrec_core.engine.model_runner import ModelRunner
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult, ResultDecoder
 from flashrec_core.registry import Registry, read_model_config

@@ -10,9 +10,10 @@ Work runs in iterations, each a step boundary:
 
 Under load every iteration runs one new wave's prefill and the beam steps of the waves admitted
 in the iterations before (a wave lives `depth` iterations). A request that arrives while others
-run therefore waits about one iteration, not for a whole wave. A wave takes the queue's oldest request and then other
-queued requests of the same n (one width per wave lets its steps replay CUDA graphs); a request
-of another n is never passed over for more than one iteration per distinct n queued before it.
+run therefore waits about one iteration, not for a whole wave. A wave takes the queue's oldest
+request and then other queued requests of the same n and catalog version (one width per wave lets
+its steps replay CUDA graphs); a request of another n is never passed over for more than one
+iteration per distinct n queued before it.
 
 `run_once` is the whole iteration. The background thread (`start`) calls it while there is work;
 without a thread, `Engine.generate` calls it itself until its requests are done: offline and
@@ -27,10 +28,19 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from flashrec_core.engine.beam_wave import BeamWave, WaveState
+from flashrec_core.engine.handles import (
+    EngineStoppedError,
+    Limits,
+    LoopStats,
+    QueueFullError,
+    RequestCancelledError,
+    RequestHandle,
+    RequestRejectedError,
+    RequestTimeoutError,
+)
 from flashrec_core.engine.requests import (
     GenerationRequest,
     GenerationResult,
@@ -41,83 +51,6 @@ from flashrec_core.engine.results import assemble_results
 from flashrec_core.kvcache import OutOfSlotsError
 
 logger = logging.getLogger("flashrec")
-
-
-class RequestRejectedError(ValueError):
-    """A request this engine can never serve (too wide, too long); `param` names the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFullError(RuntimeError):
-    """The bounded queue is full; retry later."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The loop is shutting down (or stopped) and admits no new requests."""
-
-
-class RequestCancelledError(RuntimeError):
-    """The request was cancelled (client gone, shutdown) before it finished."""
-
-
-class RequestTimeoutError(TimeoutError):
-    """The request's deadline passed before it finished."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Budgets the loop admits under (from the engine's config and pool)."""
-
-    max_wave_rows: int
-    max_context: int
-    max_position: int
-    depth: int
-    max_queue: int
-
-
-@dataclass(eq=False)
-class RequestHandle:
-    """A submitted request: its future, and `cancel()` (effective at the next step boundary)."""
-
-    request: GenerationRequest
-    request_id: str
-    deadline: float | None  # time.monotonic() value, or None
-    future: Future[GenerationResult] = field(default_factory=Future)
-    submitted_at: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    prefilled_at: float | None = None
-    _cancel_reason: str | None = None
-
-    def cancel(self, reason: str = "cancelled by the client") -> None:
-        self._cancel_reason = reason
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel_reason is not None
-
-    def expired(self, now: float) -> bool:
-        return self.deadline is not None and now >= self.deadline
-
-
-@dataclass(frozen=True)
-class LoopStats:
-    """A snapshot for /metrics and tests (gauges, then totals since start)."""
-
-    queued: int
-    running_requests: int
-    running_rows: int
-    kv_slots_total: int
-    kv_slots_free: int
-    kv_slots_cached: int
-    prefix_cache_locked_nodes: int
-    request_slots_total: int
-    request_slots_used: int
-    prefix_cache_hit_tokens: int
-    invalid_results: int
-    iterations: int
 
 
 @dataclass

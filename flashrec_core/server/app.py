@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
-from flashrec_core.engine.loop import (
+from flashrec_core.engine.handles import (
     EngineStoppedError,
     QueueFullError,
     RequestCancelledError,

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from flashrec_core.engine.loop import LoopStats
+from flashrec_core.engine.handles import LoopStats
 from flashrec_core.engine.requests import RequestTimings
 
 # Seconds: beam search requests take milliseconds on a GPU, up to seconds queued under load.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
-from flashrec_core.engine.loop import RequestRejectedError
+from flashrec_core.engine.handles import RequestRejectedError
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.search.filters import FilterError
 from flashrec_core.server.errors import APIError

@@ -11,7 +11,7 @@ import pytest
 
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
-from flashrec_core.engine.loop import (
+from flashrec_core.engine.handles import (
     EngineStoppedError,
     QueueFullError,
     RequestCancelledError,

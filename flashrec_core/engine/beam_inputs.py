@@ -1,0 +1,130 @@
+"""Inputs of one beam step, built on the host side of the wave: the two-level KV view of a
+decode step, the pad requests a CUDA-graph shape adds, and the per-request sampling noise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from flashrec_core.engine.model_runner import SharedPrefix, StepInput
+from flashrec_core.engine.requests import GenerationRequest
+from flashrec_core.kvcache import KVPool
+from flashrec_core.search.beam import NEG_INF, BeamLayout, Selection, gumbel_noise
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Pad requests appended to a wave for a graph shape: dead beams (score -inf) that read and
+    write only the pad slot, one pad slot of prompt each."""
+
+    rows: int
+    num_pad: int
+
+    def selection(self, sel: Selection) -> Selection:
+        return _pad_rows(sel, self.rows)
+
+    def slots(self, x: torch.Tensor, value: int = KVPool.PAD_SLOT) -> torch.Tensor:
+        return _pad_rows_of(x, self.rows, value)
+
+    def prompts(self, prompts: torch.Tensor) -> torch.Tensor:
+        if self.num_pad == 0:
+            return prompts
+        return torch.cat([prompts, prompts.new_full((self.num_pad,), KVPool.PAD_SLOT)])
+
+
+def _pad_rows(sel: Selection, rows: int) -> Selection:
+    """Selection extended to `rows` with dead pad beams (score -inf, node 0, code 0)."""
+    extra = rows - sel.score.shape[0]
+    if extra == 0:
+        return sel
+    pad = partial(torch.zeros, extra, dtype=torch.int64, device=sel.score.device)
+    dead = torch.full((extra,), NEG_INF, dtype=sel.score.dtype, device=sel.score.device)
+    return Selection(
+        torch.cat([sel.parent, pad()]),
+        torch.cat([sel.code, pad()]),
+        torch.cat([sel.node, pad()]),
+        torch.cat([sel.score, dead]),
+    )
+
+
+def _pad_rows_of(x: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+
+
+class NoiseSource:
+    """Per-request seeded generators for temperature > 0; None when every request is greedy."""
+
+    def __init__(self, requests: list[GenerationRequest], device: torch.device) -> None:
+        self.temperatures = [r.temperature for r in requests]
+        self.device = device
+        self.generators = [
+            torch.Generator().manual_seed(r.seed if r.seed is not None else _fresh_seed())
+            if r.temperature > 0
+            else None
+            for r in requests
+        ]
+
+    @property
+    def sampling(self) -> bool:
+        return any(t > 0 for t in self.temperatures)
+
+    def draw(self, parents: BeamLayout, width: int) -> torch.Tensor | None:
+        if not self.sampling:
+            return None
+        rows = parents.widths.tolist()
+        return gumbel_noise(rows, width, self.generators, self.temperatures, self.device)
+
+
+GREEDY = NoiseSource([], torch.device("cpu"))
+
+
+def _fresh_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def prepare_beam_decode(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    prompts: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    row_request: torch.Tensor,
+    history: torch.Tensor,
+    own: torch.Tensor,
+) -> StepInput:
+    """A decode step: one token per beam row, attending to its request's prompt slots, the
+    slots its ancestors wrote (`history` [R, s]) and its own new slot (`own` [R]).
+
+    `prompts` holds every request's prompt slots back to back (`prompt_lens` each, host);
+    `row_request` (host) maps rows to requests. Only the two-level view is built; its per-step
+    part (`own`, `history`) stays on the device, so the step needs no host sync. Backends that
+    want flat per-row indices derive them with `flatten_shared_prefix`.
+    """
+    num_rows = row_request.numel()
+    suffix = torch.cat([history, own[:, None]], dim=1)  # [R, s + 1]
+    shared = SharedPrefix(
+        prefix_qo_indptr=_indptr(torch.bincount(row_request, minlength=prompt_lens.numel())),
+        prefix_kv_indptr=_indptr(prompt_lens),
+        prefix_kv_indices=prompts,
+        suffix_kv_indptr=_indptr(torch.full((num_rows,), suffix.shape[1])),
+        suffix_kv_indices=suffix.flatten(),
+    )
+    return StepInput(
+        input_ids=tokens,
+        positions=positions,
+        out_cache_loc=own,
+        qo_indptr=torch.arange(num_rows + 1, dtype=torch.int64),
+        kv_indptr=_indptr(prompt_lens[row_request] + suffix.shape[1]),
+        kv_indices=None,
+        shared_prefix=shared,
+    )
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out

@@ -1,0 +1,87 @@
+"""What clients of the engine loop hold and catch: request handles, the loop's budgets and
+stats snapshot, and the errors a submission can end in."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from flashrec_core.engine.requests import GenerationRequest, GenerationResult
+
+
+class RequestRejectedError(ValueError):
+    """A request this engine can never serve (too wide, too long); `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(RuntimeError):
+    """The bounded queue is full; retry later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The loop is shutting down (or stopped) and admits no new requests."""
+
+
+class RequestCancelledError(RuntimeError):
+    """The request was cancelled (client gone, shutdown) before it finished."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request's deadline passed before it finished."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Budgets the loop admits under (from the engine's config and pool)."""
+
+    max_wave_rows: int
+    max_context: int
+    max_position: int
+    depth: int
+    max_queue: int
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request: its future, and `cancel()` (effective at the next step boundary)."""
+
+    request: GenerationRequest
+    request_id: str
+    deadline: float | None  # time.monotonic() value, or None
+    future: Future[GenerationResult] = field(default_factory=Future)
+    submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    prefilled_at: float | None = None
+    _cancel_reason: str | None = None
+
+    def cancel(self, reason: str = "cancelled by the client") -> None:
+        self._cancel_reason = reason
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel_reason is not None
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """A snapshot for /metrics and tests (gauges, then totals since start)."""
+
+    queued: int
+    running_requests: int
+    running_rows: int
+    kv_slots_total: int
+    kv_slots_free: int
+    kv_slots_cached: int
+    prefix_cache_locked_nodes: int
+    request_slots_total: int
+    request_slots_used: int
+    prefix_cache_hit_tokens: int
+    invalid_results: int
+    iterations: int

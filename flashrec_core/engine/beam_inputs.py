@@ -34,6 +34,34 @@ class Padding:
         return torch.cat([prompts, prompts.new_full((self.num_pad,), KVPool.PAD_SLOT)])
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What every beam step of a wave at one padded size shares: built once per wave (and
+    after a `drop`), not per step, so a step makes no host copy of device data."""
+
+    beams: BeamLayout  # the rows, pad requests included
+    pad: Padding
+    row_request: torch.Tensor  # host [R]: request of each row
+    prompt_lens: torch.Tensor  # host [B + pads]
+    row_prompt_len: torch.Tensor  # device [R]
+    prompts: torch.Tensor  # device: every request's prompt slots, then one pad slot per pad
+
+    @classmethod
+    def create(
+        cls, widths: list[int], prompt_lens: list[int], prompts: torch.Tensor, num_pad: int,
+        device: torch.device,
+    ) -> StepShape:  # fmt: skip
+        all_widths = widths + [widths[0]] * num_pad
+        beams = BeamLayout.create(all_widths, device)
+        lens = torch.tensor(prompt_lens + [1] * num_pad)
+        row_request = torch.repeat_interleave(
+            torch.arange(len(all_widths)), torch.tensor(all_widths)
+        )
+        pad = Padding(beams.num_rows, num_pad)
+        row_prompt_len = lens.to(device)[beams.row_request]
+        return cls(beams, pad, row_request, lens, row_prompt_len, pad.prompts(prompts))
+
+
 def _pad_rows(sel: Selection, rows: int) -> Selection:
     """Selection extended to `rows` with dead pad beams (score -inf, node 0, code 0)."""
     extra = rows - sel.score.shape[0]

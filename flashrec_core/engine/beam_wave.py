@@ -13,13 +13,13 @@ import gc
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from flashrec_core.config import triton_usable
-from flashrec_core.engine.beam_inputs import GREEDY, NoiseSource, Padding, prepare_beam_decode
+from flashrec_core.engine.beam_inputs import GREEDY, NoiseSource, StepShape, prepare_beam_decode
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, prepare_prefill
@@ -76,6 +76,7 @@ class WaveState:
     index: CatalogIndex | None = None  # and its filter index
     variant: GraphVariant | None = None  # the graphs of that version (None: the default trie)
     version: CatalogVersion | None = None
+    shapes: dict[int, StepShape] = field(default_factory=dict)  # per pad count, see StepShape
 
 
 class BeamWave:
@@ -259,6 +260,7 @@ class BeamWave:
         state.prompt_slots, state.cached_lens = pick(state.prompt_slots), pick(state.cached_lens)
         state.locked = pick(state.locked)
         state.decode_slots = state.decode_slots[rows]
+        state.shapes.clear()  # rows and prompts changed
         if not state.requests or state.sel is None:
             return
         dev = rows.to(self.runner.device)
@@ -309,22 +311,22 @@ class BeamWave:
         widths = [r.n for r in state.requests]
         padded = self._padded_requests(widths, state.noise.sampling, state.masks is not None)
         num_pad = (padded - len(widths)) if padded is not None else 0
-        beams = (
-            BeamLayout.create(widths + [widths[0]] * num_pad, self.runner.device)
-            if num_pad
-            else real
-        )
-        pad = Padding(beams.num_rows, num_pad)
+        shape = state.shapes.get(num_pad)
+        if shape is None:
+            prompt_lens = [len(r.prompt_ids) for r in state.requests]
+            shape = StepShape.create(
+                widths, prompt_lens, state.prompts, num_pad, self.runner.device
+            )
+            state.shapes[num_pad] = shape
+        beams, pad = shape.beams if num_pad else real, shape.pad
         sel = pad.selection(state.sel)
         own = pad.slots(state.device_slots[:, level - 1])
         history = pad.slots(state.history)
-        prompt_lens = torch.tensor([len(r.prompt_ids) for r in state.requests] + [1] * num_pad)
-        row_request = beams.row_request.cpu()
         step = prepare_beam_decode(
             tokens=self.sid.level_starts[level - 1] + pad.slots(state.codes[:, -1], 0),
-            positions=prompt_lens.to(own.device)[beams.row_request] + level - 1,
-            prompts=pad.prompts(state.prompts), prompt_lens=prompt_lens,
-            row_request=row_request, history=history, own=own,
+            positions=shape.row_prompt_len + level - 1, prompts=shape.prompts,
+            prompt_lens=shape.prompt_lens, row_request=shape.row_request, history=history,
+            own=own,
         )  # fmt: skip
         if self.graphs is not None and padded is not None:
             sel = self.graphs.run(level, step, sel.score, sel.node, beams, state.variant)

@@ -19,33 +19,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-class SiluAndMul(nn.Module):
-    """SiLU(gate) * up; a `QuantizedActivation` when the next GEMM is FP8."""
-
-    def __init__(
-        self, *, quantize_output: bool = False, fused_kernel: Callable[..., Any] | None = None
-    ) -> None:
-        super().__init__()
-        self.quantize_output = quantize_output
-        self.fused_kernel = fused_kernel if quantize_output else None
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
-        if self.quantize_output:
-            # Fallback = the fused kernel's torch reference (no intermediate bf16 rounding).
-            kernel = self.fused_kernel or silu_mul_quant_fp8_ref
-            return QuantizedActivation(*kernel(gate_up))
-        return silu_and_mul(gate_up)
-
-
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: GELU-tanh(gate) * up (HF `gelu_pytorch_tanh`)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.gelu(gate, approximate="tanh") * up
 
 
-class GeluAndMul(nn.Module):
-    """GELU-tanh(gate) * up; a `QuantizedActivation` when the next GEMM is FP8 (the shared
-    `gelu_tanh_mul_quant_fp8` kernel when given, else its torch reference)."""
+class _GatedActivation(nn.Module):
+    """act(gate) * up; a `QuantizedActivation` when the next GEMM is FP8, through the fused
+    kernel when given, else that kernel's torch reference (no intermediate bf16 rounding)."""
+
+    eager: Callable[[torch.Tensor], torch.Tensor]
+    reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
     def __init__(
         self, *, quantize_output: bool = False, fused_kernel: Callable[..., Any] | None = None
@@ -56,6 +41,20 @@ class GeluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         if self.quantize_output:
-            kernel = self.fused_kernel or gelu_tanh_mul_quant_fp8_ref
+            kernel = self.fused_kernel or type(self).reference
             return QuantizedActivation(*kernel(gate_up))
-        return gelu_tanh_and_mul(gate_up)
+        return type(self).eager(gate_up)
+
+
+class SiluAndMul(_GatedActivation):
+    """SiLU(gate) * up (SwiGLU)."""
+
+    eager = staticmethod(silu_and_mul)
+    reference = staticmethod(silu_mul_quant_fp8_ref)
+
+
+class GeluAndMul(_GatedActivation):
+    """GELU-tanh(gate) * up (GeGLU; the shared `gelu_tanh_mul_quant_fp8` kernel when FP8)."""
+
+    eager = staticmethod(gelu_tanh_and_mul)
+    reference = staticmethod(gelu_tanh_mul_quant_fp8_ref)

@@ -195,8 +195,6 @@ def completion(
 def chat_stream_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
     """A finished chat completion as stream chunks: every ranked choice in one chunk (beam search
     has no partial tokens), then a usage chunk with no choices."""
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
-            "model": body["model"]}  # fmt: skip
     choices = [
         {
             "index": c["index"],
@@ -207,16 +205,16 @@ def chat_stream_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for c in body["choices"]
     ]
-    return [
-        {**base, "choices": choices, "flashrec": body["flashrec"]},
-        {**base, "choices": [], "usage": body["usage"]},
-    ]
+    return _chunks(body, "chat.completion.chunk", choices)
 
 
 def completion_stream_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
-    base = {"id": body["id"], "object": "text_completion", "created": body["created"],
-            "model": body["model"]}  # fmt: skip
+    return _chunks(body, "text_completion", body["choices"])
+
+
+def _chunks(body: dict[str, Any], kind: str, choices: list[Any]) -> list[dict[str, Any]]:
+    base = {"id": body["id"], "object": kind, "created": body["created"], "model": body["model"]}
     return [
-        {**base, "choices": body["choices"], "flashrec": body["flashrec"]},
+        {**base, "choices": choices, "flashrec": body["flashrec"]},
         {**base, "choices": [], "usage": body["usage"]},
     ]

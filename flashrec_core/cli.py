@@ -216,6 +216,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, help="seconds before 504 (default: none)")
     p.add_argument("--shutdown-grace", type=float, help="seconds to drain on SIGTERM (default 30)")
     p.add_argument("--warmup-n", help="beam widths to warm up before /ready (default 10)")
+    p.add_argument(
+        "--profile-engine", metavar="FILE",
+        help="cProfile the engine thread; the stats are written to FILE at shutdown",
+    )  # fmt: skip
     p.add_argument("--config", help="settings file (.json or .toml), see docs/serving.md")
 
 
@@ -248,6 +252,7 @@ _SERVER_FLAGS = {
     "host": "host", "port": "port", "api_key": "api_key", "served_model_name": "served_model_name",
     "max_queue": "max_queue", "default_n": "default_n", "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
+    "profile_engine": "profile_engine",
 }  # fmt: skip
 
 

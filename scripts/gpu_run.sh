@@ -82,7 +82,7 @@ for what in "${@:-tests}"; do
       fi
       [[ $what == e2e-engine ]] && continue
       flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
-        > "$out/serve.log" 2>&1 &
+        ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile.txt"} > "$out/serve.log" 2>&1 &
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
       echo "ready after warm-up: $(grep -c captured "$out/serve.log") captures"

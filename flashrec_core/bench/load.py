@@ -104,6 +104,33 @@ async def unloaded(
             "single_request_p99_ms": out["latency_p99_ms"], "errors": out["errors"]}  # fmt: skip
 
 
+_ENGINE_TOTALS = (
+    "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
+    "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
+)  # fmt: skip
+
+
+def _engine_totals(url: str, api_key: str | None) -> dict[str, float]:
+    from flashrec_core.testing.server_process import read_metrics
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    samples = read_metrics(url, headers)
+    return {k: samples.get(k, 0.0) for k in _ENGINE_TOTALS}
+
+
+def _engine_view(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """What the engine thread did during a run: mean wave size, utilization, iteration time."""
+    d = {k.removeprefix("flashrec_engine_").removesuffix("_total"): after[k] - before[k]
+         for k in _ENGINE_TOTALS}  # fmt: skip
+    waves, iters = max(d["waves_admitted"], 1), max(d["iterations"], 1)
+    return {
+        "waves": int(d["waves_admitted"]),
+        "mean_requests_per_wave": d["requests_admitted"] / waves,
+        "engine_busy_fraction": d["busy_seconds"] / seconds if seconds > 0 else 0.0,
+        "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
+    }
+
+
 def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
@@ -113,14 +140,20 @@ def run_server_bench(
     fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache."""
     result: dict[str, Any] = {"path": "server", "n": n}
     result.update(asyncio.run(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key)))
+    before, start = _engine_totals(url, api_key), time.perf_counter()
     sat = asyncio.run(
         closed_loop(url, completion_bodies(prompts(1), n), saturation_concurrency, api_key)
     )
+    sat["engine"] = _engine_view(before, _engine_totals(url, api_key), time.perf_counter() - start)
     result["saturation"] = sat
     result["open_loop"] = []
     for i, rate in enumerate(rates):
         rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
         bodies = completion_bodies(prompts(2 + i), n)
+        before, start = _engine_totals(url, api_key), time.perf_counter()
         run = asyncio.run(open_loop(url, bodies, rps, api_key, seed=i))
+        run["engine"] = _engine_view(
+            before, _engine_totals(url, api_key), time.perf_counter() - start
+        )
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
     return result

@@ -85,3 +85,6 @@ class LoopStats:
     prefix_cache_hit_tokens: int
     invalid_results: int
     iterations: int
+    waves_admitted: int = 0
+    requests_admitted: int = 0
+    busy_seconds: float = 0.0  # inside run_once: the engine thread's working time

@@ -22,13 +22,17 @@ online use the same code path.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
+import pstats
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from flashrec_core.engine.beam_wave import BeamWave, WaveState
 from flashrec_core.engine.handles import (
@@ -77,6 +81,9 @@ class EngineLoop:
         self._hit_tokens = 0
         self._invalid = 0
         self._iterations = 0
+        self._waves_admitted = 0
+        self._requests_admitted = 0
+        self._busy_s = 0.0
 
     # -- clients --------------------------------------------------------------------------
 
@@ -149,6 +156,9 @@ class EngineLoop:
             prefix_cache_hit_tokens=self._hit_tokens,
             invalid_results=self._invalid,
             iterations=self._iterations,
+            waves_admitted=self._waves_admitted,
+            requests_admitted=self._requests_admitted,
+            busy_seconds=self._busy_s,
         )
 
     @property
@@ -157,10 +167,12 @@ class EngineLoop:
 
     # -- the thread -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Run the loop on a background thread (the server's engine thread)."""
+    def start(self, profile_to: Path | None = None) -> None:
+        """Run the loop on a background thread (the server's engine thread). With
+        `profile_to`, cProfile runs on that thread and its stats are written there on exit."""
         assert self._thread is None, "the loop runs once"
-        self._thread = threading.Thread(target=self._run, name="flashrec-engine", daemon=True)
+        target = self._run if profile_to is None else lambda: _profiled(self._run, profile_to)
+        self._thread = threading.Thread(target=target, name="flashrec-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -217,6 +229,7 @@ class EngineLoop:
             for wave in running:
                 self._advance(wave)
             self._iterations += 1
+            self._busy_s += time.monotonic() - now
 
     def _retire(self, now: float) -> None:
         with self._cv:
@@ -265,6 +278,8 @@ class EngineLoop:
                 h.future.set_exception(exc)
             return
         self._admit_cap = None
+        self._waves_admitted += 1
+        self._requests_admitted += len(handles)
         self._hit_tokens += sum(state.cached_lens)
         done = time.monotonic()
         for h in handles:
@@ -347,6 +362,20 @@ class EngineLoop:
                 decode_s=end - (h.prefilled_at or end),
             )
             h.future.set_result(replace(result, timings=timings))
+
+
+def _profiled(run: Callable[[], None], path: Path) -> None:
+    """Run `run` under cProfile; write the top functions by cumulative and by own time."""
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(run)
+    finally:
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+        path.write_text(text.getvalue())
+        logger.info("engine thread profile written to %s", path)
 
 
 def wait_done(loop: EngineLoop, handles: Sequence[RequestHandle]) -> None:

@@ -102,7 +102,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not engine.loop.running:
-            engine.loop.start()
+            engine.loop.start(profile_to=settings.profile_engine)
         threading.Thread(
             target=_warm_up, args=(state,), name="flashrec-warmup", daemon=True
         ).start()

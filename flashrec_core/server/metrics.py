@@ -55,9 +55,14 @@ class _EngineCollector(Collector):
             "flashrec_invalid_results", "returned beams that are not catalog SIDs (must stay 0)",
             value=s.invalid_results,
         )  # fmt: skip
-        yield CounterMetricFamily(
-            "flashrec_engine_iterations", "engine loop iterations", value=s.iterations
-        )
+        totals = {
+            "engine_iterations": ("engine loop iterations", s.iterations),
+            "engine_waves_admitted": ("waves admitted (one prefill each)", s.waves_admitted),
+            "engine_requests_admitted": ("requests admitted into waves", s.requests_admitted),
+            "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),
+        }
+        for name, (doc, value) in totals.items():
+            yield CounterMetricFamily(f"flashrec_{name}", doc, value=value)
 
 
 class _CatalogCollector(Collector):

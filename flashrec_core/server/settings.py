@@ -53,6 +53,8 @@ class ServerSettings(BaseSettings):
     warmup_n: tuple[int, ...] = (10,)
     """Beam widths run once before /ready (captures their CUDA graphs on a GPU)."""
     log_requests: bool = True
+    profile_engine: Path | None = None
+    """cProfile the engine thread and write the stats (cumulative, text) here at shutdown."""
 
     @classmethod
     def settings_customise_sources(

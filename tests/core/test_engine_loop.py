@@ -123,12 +123,17 @@ def test_bounded_queue_and_rejected_requests(engine: Engine) -> None:
 def test_waves_group_one_width_and_keep_arrival_order(engine: Engine) -> None:
     loop = engine.loop
     widths = [4, 8, 4, 8, 4]
+    before = loop.stats()
     handles = [
         loop.submit(engine.make_request(prompt=f"w{i} w3", n=n)) for i, n in enumerate(widths)
     ]
     loop.run_once()
     # the oldest request's width (4) forms the first wave: the three n=4 requests
     assert [h.admitted_at is not None for h in handles] == [True, False, True, False, True]
+    after = loop.stats()
+    assert after.waves_admitted - before.waves_admitted == 1
+    assert after.requests_admitted - before.requests_admitted == 3
+    assert after.busy_seconds > before.busy_seconds
     results = engine.generate([h.request for h in handles])  # the same requests, offline
     while not all(h.future.done() for h in handles):
         loop.run_once()

@@ -138,3 +138,19 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProce
     assert isinstance(late, httpx.ConnectError) or late == 503, late
     assert busy_server.wait(timeout_s=60) == 0, busy_server.log()[-3000:]
     assert time.monotonic() - start < 60
+
+
+def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_path: Path) -> None:
+    profile = tmp_path / "engine.prof.txt"
+    with ServerProcess(server_args(checkpoint, "--profile-engine", str(profile))) as proc:
+        r = httpx.post(proc.url + "/v1/chat/completions", json=_body("w1 w2", 4), headers=HEADERS)
+        assert r.status_code == 200
+        m = read_metrics(proc.url)
+        assert m["flashrec_engine_waves_admitted_total"] >= 1
+        assert (
+            m["flashrec_engine_requests_admitted_total"]
+            >= m["flashrec_engine_waves_admitted_total"]
+        )
+        assert m["flashrec_engine_busy_seconds_total"] > 0
+    text = profile.read_text()  # written when the engine thread ends, at shutdown
+    assert "run_once" in text and "Ordered by: cumulative time" in text

@@ -107,6 +107,13 @@ async def unloaded(
 _ENGINE_TOTALS = (
     "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
     "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
+    "flashrec_request_latency_seconds_sum{endpoint=/v1/completions}",
+    "flashrec_request_latency_seconds_count{endpoint=/v1/completions}",
+    "flashrec_request_stage_seconds_sum{stage=queue}",
+    "flashrec_request_stage_seconds_sum{stage=prefill}",
+    "flashrec_request_stage_seconds_sum{stage=decode}",
+    "flashrec_event_loop_lag_seconds_sum", "flashrec_event_loop_lag_seconds_count",
+    "flashrec_event_loop_lag_seconds_bucket{le=0.01}",
 )  # fmt: skip
 
 
@@ -119,16 +126,30 @@ def _engine_totals(url: str, api_key: str | None) -> dict[str, float]:
 
 
 def _engine_view(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
-    """What the engine thread did during a run: mean wave size, utilization, iteration time."""
-    d = {k.removeprefix("flashrec_engine_").removesuffix("_total"): after[k] - before[k]
-         for k in _ENGINE_TOTALS}  # fmt: skip
+    """What the server did during a run: mean wave size, the engine thread's utilization and
+    iteration time, and per request the server's own latency (first byte in to response out)
+    split into queue, prefill and decode; the rest of the server's latency is HTTP, parsing and
+    response building, the rest of the client's is the network and the client itself."""
+    e, m, tail = "flashrec_engine_", "flashrec_request_", "_total"
+    d = {k.removeprefix(e).removesuffix(tail): after[k] - before[k] for k in _ENGINE_TOTALS}
     waves, iters = max(d["waves_admitted"], 1), max(d["iterations"], 1)
+    answered = max(d[f"{m}latency_seconds_count{{endpoint=/v1/completions}}"], 1)
+    probes = max(d["flashrec_event_loop_lag_seconds_count"], 1)
+
+    def per_request_ms(key: str) -> float:
+        return 1e3 * d[key] / answered
+
     return {
         "waves": int(d["waves_admitted"]),
         "mean_requests_per_wave": d["requests_admitted"] / waves,
         "engine_busy_fraction": d["busy_seconds"] / seconds if seconds > 0 else 0.0,
         "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
-    }
+        "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
+        **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
+           for stage in ("queue", "prefill", "decode")},
+        "event_loop_lag_mean_ms": 1e3 * d["flashrec_event_loop_lag_seconds_sum"] / probes,
+        "event_loop_lag_over_10ms": 1 - d["flashrec_event_loop_lag_seconds_bucket{le=0.01}"] / probes,
+    }  # fmt: skip
 
 
 def run_server_bench(

@@ -309,7 +309,7 @@ class BeamWave:
         assert state.sel is not None and 0 < state.level < self.depth, "a wave in flight"
         level, real = state.level, state.layout
         widths = [r.n for r in state.requests]
-        padded = self._padded_requests(widths, state.noise.sampling, state.masks is not None)
+        padded = self._padded_requests(widths, state.noise.sampling, state.masks)
         num_pad = (padded - len(widths)) if padded is not None else 0
         shape = state.shapes.get(num_pad)
         if shape is None:
@@ -329,7 +329,9 @@ class BeamWave:
             own=own,
         )  # fmt: skip
         if self.graphs is not None and padded is not None:
-            sel = self.graphs.run(level, step, sel.score, sel.node, beams, state.variant)
+            sel = self.graphs.run(
+                level, step, sel.score, sel.node, beams, state.variant, state.masks
+            )
         else:
             if self.graphs is not None:
                 self.graphs.count_eager(1)
@@ -347,13 +349,13 @@ class BeamWave:
         state.level += 1
         self._mark(f"decode{level}")
 
-    def _padded_requests(self, widths: list[int], sampling: bool, filtered: bool) -> int | None:
-        if filtered:  # filter masks hold one row per real request: no pad requests
-            if self.graphs is not None:
-                self.graphs.run_eagerly("per-request item filters")
-            return None
+    def _padded_requests(
+        self, widths: list[int], sampling: bool, masks: FilterMasks | None
+    ) -> int | None:
         if self.graphs is not None:
-            return self.graphs.padded_requests(widths, sampling)
+            return self.graphs.padded_requests(widths, sampling, masks)
+        if masks is not None:  # filter masks hold one row per real request: no pad requests
+            return None
         if self.eager_padding is not None and not sampling:
             return self.eager_padding(widths)
         return None
@@ -393,7 +395,9 @@ class BeamWave:
         parent_score: torch.Tensor,
         nodes: torch.Tensor,
         layout: BeamLayout,
+        masks: FilterMasks | None = None,
     ) -> Selection:
         """The captured part of a beam step after the forward over `trie`: greedy selection,
-        no noise (its tables are baked into the graph, hence one graph variant per trie)."""
-        return self._select(hidden, level, parent_score, nodes, layout, layout, GREEDY, None, trie)
+        no noise (its tables are baked into the graph, hence one graph variant per trie), the
+        filter masks (graph inputs) when the wave is filtered."""
+        return self._select(hidden, level, parent_score, nodes, layout, layout, GREEDY, masks, trie)

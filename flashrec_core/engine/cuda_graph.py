@@ -10,10 +10,16 @@ width n is padded to the next capture size with pad requests of n rows each. Pad
 write only the pad slot (`KVPool.PAD_SLOT`) and start with score -inf, so their beams die and never
 touch a real request's selection (selection never crosses requests).
 
+Per-request item filters are graph inputs too: a filtered wave replays its own graph (key flag
+`filtered`), which reads the level's allowed-children mask from a buffer the wave's mask is copied
+into before each replay (one buffer per catalog version, level and width, sized for the largest
+request count; pad requests' rows are all-allowed and their beams die anyway).
+
 Gating is decided per wave, before anything is captured: sampling waves (per-request generators),
-mixed widths and waves over the largest size run eagerly, and every eager step is counted and its
-reason logged once. Capture happens on first use of a shape; `flashrec bench` warms each wave shape
-up before its measured window so that window sees replays only.
+mixed widths, waves over the largest size and filtered waves whose mask buffer would exceed
+`MASK_BUFFER_BYTES` run eagerly, and every eager step is counted and its reason logged once.
+Capture happens on first use of a shape; the server's warm-up (and its catalog reloads) and
+`flashrec bench` run each wave shape first so that traffic sees replays only.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from flashrec_core.search.beam import BeamLayout, Selection
+from flashrec_core.search.filters import FilterMasks
 
 if TYPE_CHECKING:
     from flashrec_core.attention.flashinfer import GraphAttention
@@ -35,8 +42,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flashrec")
 
-StepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, BeamLayout], Selection]
-"""(level, hidden [R, H], parent score [R], parent node [R], layout) -> the step's Selection."""
+StepFn = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, BeamLayout, FilterMasks | None], Selection
+]
+"""(level, hidden [R, H], parent score [R], parent node [R], layout, filter masks or None) -> the
+step's Selection."""
+
+MASK_BUFFER_BYTES = 1 << 30
+"""Largest filter-mask buffer (one per catalog version, level and width) a graph may read; a
+filtered wave whose buffer would be larger (a huge catalog at a small n) runs eagerly."""
 
 
 class GraphVariant(NamedTuple):
@@ -94,8 +108,10 @@ class DecodeGraphs:
         self.step_fn = step_fn
         self.max_rows = max_rows
         self.stats = GraphStats()
-        self._graphs: dict[tuple[int, int, int, int], _StepGraph] = {}
-        self._failed: dict[tuple[int, int, int, int], str] = {}  # shape -> why capture failed
+        # (variant, level, requests, width, filtered)
+        self._graphs: dict[tuple[int, int, int, int, bool], _StepGraph] = {}
+        self._failed: dict[tuple[int, int, int, int, bool], str] = {}  # why capture failed
+        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -123,15 +139,22 @@ class DecodeGraphs:
             return None
         return cls(runner, step_fn, cfg.max_wave_rows)
 
-    def padded_requests(self, widths: list[int], sampling: bool) -> int | None:
+    def padded_requests(
+        self, widths: list[int], sampling: bool, masks: FilterMasks | None = None
+    ) -> int | None:
         """Requests of this wave once padded to a capture size, or None: run it eagerly (the
         reason is counted per step by `count_eager` and logged once)."""
         padded, self._eager_reason = graph_padding(widths, sampling, self.max_rows)
+        if padded is not None and masks is not None:
+            most = self.max_rows // widths[0]
+            biggest = max(m.shape[1] for m in masks.levels) * most
+            if biggest > MASK_BUFFER_BYTES:
+                self._eager_reason = (
+                    f"item filters at n={widths[0]} need a {biggest / 2**20:.0f} MiB mask "
+                    f"buffer per level, over {MASK_BUFFER_BYTES / 2**20:.0f} MiB"
+                )
+                return None
         return padded
-
-    def run_eagerly(self, reason: str) -> None:
-        """Decide a wave runs eagerly for `reason` (counted per step by `count_eager`)."""
-        self._eager_reason = reason
 
     def count_eager(self, steps: int) -> None:
         reason = self._eager_reason
@@ -144,38 +167,58 @@ class DecodeGraphs:
     def run(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
         layout: BeamLayout, variant: GraphVariant | None = None,
+        masks: FilterMasks | None = None,
     ) -> Selection:  # fmt: skip
         """One beam step by graph replay (captured on first use of this shape and variant;
-        no variant: the step function the graphs were created with, key 0)."""
-        return self._step(level, step, score, node, layout, True, variant)
+        no variant: the step function the graphs were created with, key 0). `masks`: the
+        wave's filter masks (real requests' rows; the graph's pad rows allow everything)."""
+        return self._step(level, step, score, node, layout, True, variant, masks)
 
     def run_uncaptured(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
         layout: BeamLayout, variant: GraphVariant | None = None,
+        masks: FilterMasks | None = None,
     ) -> Selection:  # fmt: skip
         """The same step, same buffers and plan, executed eagerly instead of replayed: the
         reference a replay must equal exactly (tests)."""
-        return self._step(level, step, score, node, layout, False, variant)
+        return self._step(level, step, score, node, layout, False, variant, masks)
 
     def forget(self, variant_key: int) -> None:
-        """Drop the graphs of a variant (a catalog version no request uses any more)."""
-        for key in [k for k in self._graphs if k[0] == variant_key]:
-            del self._graphs[key]
-        for key in [k for k in self._failed if k[0] == variant_key]:
-            del self._failed[key]
+        """Drop the graphs and mask buffers of a variant (a catalog version no request uses
+        any more)."""
+        for table in (self._graphs, self._failed, self._masks):
+            for key in [k for k in table if k[0] == variant_key]:
+                del table[key]
+
+    def _mask_input(
+        self, variant: int, level: int, layout: BeamLayout, masks: FilterMasks
+    ) -> FilterMasks:
+        """The graph's view of the filter masks at `level`: the wave's rows copied into the
+        buffer of (variant, level, width), sized for the largest request count."""
+        width, count = layout.max_width, layout.widths.numel()
+        wave = masks.levels[level]
+        buf = self._masks.get((variant, level, width))
+        if buf is None or buf.shape[1] != wave.shape[1]:
+            most = self.max_rows // width
+            buf = torch.ones(most, wave.shape[1], dtype=torch.bool, device=wave.device)
+            self._masks[(variant, level, width)] = buf
+        buf[: wave.shape[0]].copy_(wave)
+        buf[wave.shape[0] : count].fill_(True)  # pad requests: allowed, their beams die anyway
+        return FilterMasks.one_level(level, len(masks.levels), buf[:count])
 
     def _step(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
         layout: BeamLayout, replay: bool, variant: GraphVariant | None,
+        masks: FilterMasks | None = None,
     ) -> Selection:  # fmt: skip
         rows = layout.num_rows
         variant = variant or GraphVariant(0, self.step_fn)
-        key = (variant.key, level, layout.widths.numel(), layout.max_width)
+        key = (variant.key, level, layout.widths.numel(), layout.max_width, masks is not None)
         if key in self._failed:  # this shape could not be captured: its steps stay eager
             self._eager_reason = self._failed[key]
             self.count_eager(1)
             hidden = self.runner.forward(step)
-            return variant.step_fn(level, hidden, score, node, layout)
+            return variant.step_fn(level, hidden, score, node, layout, masks)
         graph = self._graphs.get(key)
         with torch.inference_mode():
             self._ids[:rows].copy_(step.input_ids, non_blocking=True)
@@ -183,14 +226,17 @@ class DecodeGraphs:
             self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
             self._score[:rows].copy_(score)
             self._node[:rows].copy_(node)
+            graph_masks = (
+                self._mask_input(variant.key, level, layout, masks) if masks is not None else None
+            )
             if graph is None:
                 try:
-                    graph = self._capture(key, step, layout, variant.step_fn)
+                    graph = self._capture(key, step, layout, variant.step_fn, graph_masks)
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
                     self._failed[key] = (
                         f"capture of level {level}, {key[2]} x {key[3]} failed: {exc}"
                     )
-                    return self._step(level, step, score, node, layout, replay, variant)
+                    return self._step(level, step, score, node, layout, replay, variant, masks)
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
             if replay:
@@ -203,10 +249,10 @@ class DecodeGraphs:
                              out.score.clone())  # fmt: skip
 
     def _capture(
-        self, key: tuple[int, int, int, int], step: StepInput, layout: BeamLayout,
-        step_fn: StepFn,
+        self, key: tuple[int, int, int, int, bool], step: StepInput, layout: BeamLayout,
+        step_fn: StepFn, masks: FilterMasks | None,
     ) -> _StepGraph:  # fmt: skip
-        _, level, num_requests, _ = key
+        _, level, num_requests, _, filtered = key
         rows = layout.num_rows
         start = time.perf_counter()
         attention = self.runner.attn_backend.graph_attention(num_requests, rows)
@@ -216,7 +262,7 @@ class DecodeGraphs:
             hidden = self.runner.forward_batch(
                 self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
             )
-            return step_fn(level, hidden, self._score[:rows], self._node[:rows], layout)
+            return step_fn(level, hidden, self._score[:rows], self._node[:rows], layout, masks)
 
         # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
         # same K/V the replay writes, so it is harmless.
@@ -234,7 +280,7 @@ class DecodeGraphs:
         seconds = time.perf_counter() - start
         self.stats.capture_seconds += seconds
         logger.info(
-            "captured beam step: level %d, %d requests x %d beams, in %.2f s",
-            level, num_requests, layout.max_width, seconds,
+            "captured beam step: level %d, %d requests x %d beams%s, in %.2f s",
+            level, num_requests, layout.max_width, ", filtered" if filtered else "", seconds,
         )  # fmt: skip
         return captured

@@ -7,7 +7,7 @@ engine = Engine.from_config(EngineConfig(model_path=DIR), SearchConfig(catalog_p
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +89,14 @@ class Engine:
                               decoder, source)  # fmt: skip
 
     def add_catalog(
-        self, name: str, path: str | Path
-    ) -> tuple[CatalogVersion, CatalogVersion | None]:
+        self, name: str, path: str | Path,
+        before_swap: Callable[[CatalogVersion], object] | None = None,
+    ) -> tuple[CatalogVersion, CatalogVersion | None]:  # fmt: skip
         """Load a catalog file as the new current version of `name` (built on this thread, the
         trie moved to the device by the engine thread on first use); returns (new, replaced).
-        Requests in flight keep the version they started with."""
+        `before_swap(version)` runs before the swap (the server warms the new version's CUDA
+        graphs there, while the old version keeps serving). Requests in flight keep the
+        version they started with."""
         catalog = load_catalog(path, self.layout.level_sizes)
         if catalog.depth != self.trie.depth:
             raise CatalogError(
@@ -102,6 +105,8 @@ class Engine:
             )
         host = build_trie(catalog.codes, catalog.level_sizes, kind=self.search.trie_kind)
         version = self._new_version(name, catalog, host, CatalogIndex(catalog), str(path))
+        if before_swap is not None:
+            before_swap(version)
         return version, self.catalogs.put(version)
 
     @classmethod

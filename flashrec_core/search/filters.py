@@ -108,6 +108,13 @@ class CatalogIndex:
             )
         return ItemFilter(sid_mask, keep, self)
 
+    def allow_all(self) -> ItemFilter:
+        """A filter that keeps every item: a filtered wave's shapes without changing results
+        (warm-up captures the filtered CUDA graphs with it)."""
+        return ItemFilter(
+            np.ones(len(self.catalog), dtype=bool), np.ones(len(self.item_ids), dtype=bool), self
+        )
+
     def _mask(self, items: Iterable[str]) -> np.ndarray:
         mask = np.zeros(len(self.item_ids), dtype=bool)
         idx = [self.item_index[i] for i in items if i in self.item_index]
@@ -172,6 +179,13 @@ class FilterMasks:
 
     def __init__(self, levels: list[torch.Tensor]) -> None:
         self.levels = levels  # [level] bool [B, num_nodes(level + 1)]
+
+    @classmethod
+    def one_level(cls, level: int, depth: int, mask: torch.Tensor) -> FilterMasks:
+        """Masks that hold only `level`'s (a CUDA graph's input for one beam step); the other
+        levels are empty and must not be applied."""
+        empty = mask.new_zeros(0, 0)
+        return cls([mask if d == level else empty for d in range(depth)])
 
     @classmethod
     def create(

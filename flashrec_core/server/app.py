@@ -106,7 +106,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         threading.Thread(
             target=_warm_up, args=(state,), name="flashrec-warmup", daemon=True
         ).start()
+        lag = asyncio.create_task(_watch_event_loop_lag(state.metrics))
         yield
+        lag.cancel()
         state.stopping = True
         logger.info("draining: up to %.0f s for requests in flight", settings.shutdown_grace_s)
         await run_in_threadpool(engine.loop.stop, settings.shutdown_grace_s)
@@ -222,7 +224,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     ) -> dict[str, Any]:
         """Load a catalog as the new version of `name`, built off the engine thread; requests
         in flight finish on the version they started with."""
-        version = await run_in_threadpool(_load_catalog, engine, name, body)
+        version = await run_in_threadpool(_load_catalog, engine, name, body, settings.warmup_n)
         logger.info("catalog %s: version %d from %s", name, version.version, version.source)
         return version.describe()
 
@@ -251,6 +253,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+_LAG_PROBE_S = 0.01
+
+
+async def _watch_event_loop_lag(metrics: ServerMetrics) -> None:
+    """How late the event loop wakes from a 10 ms sleep: time it could not run because a
+    callback (or another thread holding the GIL, the engine's) kept it. A lag of tens of ms
+    delays every request's parsing and answer by as much."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(_LAG_PROBE_S)
+        metrics.event_loop_lag.observe(max(0.0, loop.time() - start - _LAG_PROBE_S))
 
 
 async def _disconnected(request: Request) -> None:
@@ -345,19 +361,27 @@ def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
 CATALOG_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 
 
-def _load_catalog(engine: Engine, name: str, body: CatalogUpload) -> Any:
+def _load_catalog(
+    engine: Engine, name: str, body: CatalogUpload, warm_widths: Sequence[int]
+) -> Any:
     """A catalog from a server-side path or the uploaded object (written to a temporary file,
-    so both go through the same loader and its checks)."""
+    so both go through the same loader and its checks). The new version's graphs are warmed
+    before the swap (no capture storm on the first requests after it)."""
     if (body.path is None) == (body.catalog is None):
         raise APIError(400, "send exactly one of `path` or `catalog`", "path", "invalid_value")
+
+    def warm(version: Any) -> None:
+        if engine.wave.graphs is not None:
+            warm_up(engine, warm_widths, [version], progress=False)
+
     try:
         if body.path is not None:
-            return engine.add_catalog(name, body.path)[0]
+            return engine.add_catalog(name, body.path, warm)[0]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, f"{name}.json")
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(body.catalog, f)
-            return engine.add_catalog(name, path)[0]
+            return engine.add_catalog(name, path, warm)[0]
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError; a missing file
         param = "path" if body.path is not None else "catalog"
         raise APIError(

@@ -1,6 +1,8 @@
-"""Warm-up before /ready: run each configured beam width once at every request count the CUDA
-graphs are captured for, so first traffic replays graphs instead of capturing them (on CPU,
-where there are no graphs, one request per width)."""
+"""Warm-up before /ready and before a reloaded catalog is swapped in: run each configured beam
+width once at every request count the CUDA graphs are captured for, unfiltered and (with a
+catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them.
+The waves go through the engine loop like any request, so a reload's warm-up interleaves with
+live traffic. On CPU, where there are no graphs, one request per width."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import capture_request_counts
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.requests import GenerationRequest
@@ -16,26 +19,32 @@ from flashrec_core.engine.requests import GenerationRequest
 logger = logging.getLogger("flashrec.server")
 
 
-def warm_up(engine: Engine, widths: Sequence[int]) -> None:
-    limits = engine.loop.limits
-    catalog = engine.catalog
-    usable = [
-        n for n in widths
-        if n <= limits.max_wave_rows and (catalog is None or n <= len(catalog))
-    ]  # fmt: skip
-    skipped = sorted(set(widths) - set(usable))
-    if skipped:
-        logger.warning("warm-up skips n=%s (over the row budget or the catalog size)", skipped)
+def warm_up(
+    engine: Engine, widths: Sequence[int], versions: Sequence[CatalogVersion] | None = None,
+    progress: bool = True,
+) -> int:  # fmt: skip
+    """Warm `widths` on `versions` (default: every current catalog); returns the waves run."""
+    limits, graphs = engine.loop.limits, engine.wave.graphs is not None
     prompt = tuple(engine.with_sid_begin([_any_token(engine)]))
-    plan = [
-        (n, count)
-        for n in usable
-        for count in (
-            capture_request_counts(n, limits.max_wave_rows) if engine.wave.graphs else [1]
-        )
-    ]
-    for n, count in tqdm(plan, desc="warm-up", unit="wave", disable=not plan):
-        engine.generate([GenerationRequest(prompt, n)] * count)
+    plan: list[tuple[GenerationRequest, int]] = []
+    for version in versions if versions is not None else engine.catalogs.current():
+        sids = len(version.catalog) if version.catalog is not None else None
+        usable = [n for n in widths if n <= limits.max_wave_rows and (sids is None or n <= sids)]
+        skipped = sorted(set(widths) - set(usable))
+        if skipped:
+            logger.warning(
+                "warm-up of catalog %s skips n=%s (over the row budget or the catalog size)",
+                version.name, skipped,
+            )  # fmt: skip
+        filters = [None] + ([version.index.allow_all()] if graphs and version.index else [])
+        for n in usable:
+            counts = capture_request_counts(n, limits.max_wave_rows) if graphs else [1]
+            for item_filter in filters:
+                request = GenerationRequest(prompt, n, item_filter=item_filter, catalog=version)
+                plan += [(request, count) for count in counts]
+    for request, count in tqdm(plan, desc="warm-up", unit="wave", disable=not (plan and progress)):
+        engine.generate([request] * count)
+    return len(plan)
 
 
 def _any_token(engine: Engine) -> int:

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
 from flashrec_core.search.filters import FilterError
+from flashrec_core.testing.beam_conformance import ATOL_SAME_ENGINE
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import (
     assert_same_ranking,
@@ -177,3 +180,41 @@ def test_unknown_attributes_and_empty_results_are_errors(with_metadata) -> None:
     assert info.value.param == "filters"
     with pytest.raises(FilterError, match="no catalog item is left after filters"):
         engine.make_request(prompt="w1", n=2, filters={"category": "poetry"})
+
+
+def test_an_allow_all_filter_changes_nothing(setup) -> None:
+    """The filter warm-up uses to capture filtered graphs returns what no filter returns."""
+    engines, _ = setup
+    engine = engines["level"]
+    plain = engine.make_request(prompt="user w3 w4 item", n=6)
+    allow_all = replace(plain, item_filter=engine.catalog_index.allow_all())
+    a, b = engine.generate([plain, allow_all])
+    assert [(c.codes, c.items) for c in a.choices] == [(c.codes, c.items) for c in b.choices]
+    assert_same_ranking(
+        [(c.codes, c.logprob) for c in a.choices], [(c.codes, c.logprob) for c in b.choices],
+        ATOL_SAME_ENGINE,
+    )  # fmt: skip
+
+
+def test_warm_up_runs_every_catalog_version_and_a_reload_warms_before_the_swap(
+    setup, tmp_path
+) -> None:
+    from flashrec_core.server.warmup import warm_up
+
+    engines, _ = setup
+    engine = engines["sid"]
+    codes = engine.catalog.codes[:40]
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({",".join(map(str, c)): f"s{j}" for j, c in enumerate(codes)}))
+    seen = []
+
+    def before_swap(version) -> None:
+        with pytest.raises(CatalogNotFoundError):
+            engine.catalogs.get("small")  # not served until warmed
+        seen.append(warm_up(engine, [4, 8], [version], progress=False))
+
+    version, replaced = engine.add_catalog("small", path, before_swap)
+    assert replaced is None and seen == [2], "one wave per width on CPU (no graphs to capture)"
+    assert engine.catalogs.get("small") is version
+    assert warm_up(engine, [4], progress=False) == 2, "the default and the new catalog"
+    engine.catalogs.remove("small")

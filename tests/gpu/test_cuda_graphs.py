@@ -10,6 +10,7 @@ from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
 from flashrec_core.search.beam import BeamLayout
+from flashrec_core.search.filters import FilterMasks
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import gpu_shape, write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
@@ -138,3 +139,49 @@ def test_a_failed_capture_runs_eagerly_and_says_why(
         assert any("simulated capture failure" in why for why in graphs.stats.eager_reasons)
     finally:
         graphs._failed.clear()
+
+
+def test_filtered_replay_equals_the_eager_step_and_the_masks_bite(engine: Engine) -> None:
+    """A filtered step replays its own graph, which reads the wave's masks from its buffer:
+    replay == the same step run eagerly, and the masks change the selection."""
+    graphs = engine.wave.graphs
+    assert graphs is not None
+    index = engine.catalog_index
+    layout = BeamLayout.create([8] * 3, engine.runner.device)  # 3 real of a 4-request graph
+    padded = BeamLayout.create([8] * 4, engine.runner.device)
+    items = index.item_ids
+    for seed in range(3):
+        filters = [index.create_filter(exclude_items=items[(seed + i) % 5 :: 2]) for i in range(3)]
+        masks = FilterMasks.create(filters, index, engine.trie, engine.runner.device)
+        level, step, score, node = _step(engine, padded, seed)
+        score[layout.num_rows :] = float("-inf")  # pad rows start dead, as in the engine
+        replayed = graphs.run(level, step, score, node, padded, masks=masks)
+        eager = graphs.run_uncaptured(level, step, score, node, padded, masks=masks)
+        unfiltered = graphs.run_uncaptured(level, step, score, node, padded)
+        for name in ("parent", "code", "node", "score"):
+            a, b = getattr(replayed, name), getattr(eager, name)
+            assert torch.equal(a, b), f"seed {seed}: {name} differs between replay and eager"
+        rows = layout.num_rows
+        assert not torch.equal(replayed.node[:rows], unfiltered.node[:rows]), "masks had no effect"
+
+
+def test_filtered_waves_replay_graphs_and_return_only_allowed_items(engine_and_hf) -> None:
+    engine, hf = engine_and_hf
+    graphs = engine.wave.graphs
+    assert graphs is not None
+    items = engine.catalog_index.item_ids
+    excluded = [set(items[i::3]) for i in range(3)]
+    reqs = [
+        engine.make_request(prompt=f"user w{i + 20} item", n=8, exclude_items=sorted(excluded[i]))
+        for i in range(3)
+    ]
+    replays, eager = graphs.stats.replays, graphs.stats.eager_steps
+    results = engine.generate(reqs)
+    assert graphs.stats.replays - replays == len(LEVELS) - 1, "one replay per beam step"
+    assert graphs.stats.eager_steps == eager
+    for req, res, gone in zip(reqs, results, excluded):
+        assert len(res.choices) == 8
+        for c in res.choices:
+            assert c.items and not set(c.items) & gone, f"{c.items} holds an excluded item"
+            exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
+            assert abs(c.logprob - exact) < BF16_BOUND

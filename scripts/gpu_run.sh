@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -98,6 +98,20 @@ for what in "${@:-tests}"; do
       for f in "" "--exclude-items 10000" "--allow-items 1000"; do
         timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 | grep -E "requests_per_s|percent|eager|items"
       done ;;
+    syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
+      ck=/tmp/bench-ckpt
+      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      timeout "$guard" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
+    server-profile)  # the engine thread under cProfile while the server takes open-loop load
+      ck=/tmp/bench-ckpt
+      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \
+        --profile-engine "$out/engine_profile.txt" > "$out/serve_profile.log" 2>&1 &
+      srv=$!
+      for _ in $(seq 600); do curl -sf localhost:8124/ready >/dev/null && break; sleep 0.5; done
+      timeout "$guard" flashrec bench --server http://127.0.0.1:8124 --model-dir "$ck" -n 50 --requests 200 \
+        --concurrency 200 --rates 0.7 --out "$out/server_profile_n50.json" 2>&1 | grep -E "throughput|p50|busy|per_wave|lag|mean_ms"
+      kill -TERM $srv; wait $srv; head -70 "$out/engine_profile.txt" ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

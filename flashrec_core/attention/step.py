@@ -32,15 +32,17 @@ def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
     concatenated, on the device of the suffix indices. Vectorized: no host loop over rows."""
     device = sp.suffix_kv_indices.device
     rows_per_req = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
-    req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req).to(device)
-    prefix_ptr, suffix_ptr = sp.prefix_kv_indptr.to(device), sp.suffix_kv_indptr.to(device)
+    req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req)
+    req = req.to(device, non_blocking=True)
+    prefix_ptr = sp.prefix_kv_indptr.to(device, non_blocking=True)
+    suffix_ptr = sp.suffix_kv_indptr.to(device, non_blocking=True)
     prefix_len = (prefix_ptr[1:] - prefix_ptr[:-1])[req]
     kv_len = prefix_len + (suffix_ptr[1:] - suffix_ptr[:-1])
     rows = torch.repeat_interleave(torch.arange(req.numel(), device=device), kv_len)
     starts = torch.cumsum(kv_len, 0) - kv_len
     pos = torch.arange(rows.numel(), device=device) - starts[rows]  # position within the row
     in_prefix = pos < prefix_len[rows]
-    prefix = sp.prefix_kv_indices.to(device)
+    prefix = sp.prefix_kv_indices.to(device, non_blocking=True)
     from_prefix = prefix[(prefix_ptr[req][rows] + pos).clamp(max=max(prefix.numel() - 1, 0))]
     from_suffix = sp.suffix_kv_indices[
         (suffix_ptr[rows] + pos - prefix_len[rows]).clamp(

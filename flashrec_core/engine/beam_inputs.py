@@ -58,7 +58,7 @@ class StepShape:
             torch.arange(len(all_widths)), torch.tensor(all_widths)
         )
         pad = Padding(beams.num_rows, num_pad)
-        row_prompt_len = lens.to(device)[beams.row_request]
+        row_prompt_len = lens.to(device, non_blocking=True)[beams.row_request]
         return cls(beams, pad, row_request, lens, row_prompt_len, pad.prompts(prompts))
 
 

@@ -263,14 +263,14 @@ class BeamWave:
         state.shapes.clear()  # rows and prompts changed
         if not state.requests or state.sel is None:
             return
-        dev = rows.to(self.runner.device)
+        dev = rows.to(self.runner.device, non_blocking=True)
         sel = state.sel
         state.sel = Selection(sel.parent[dev], sel.code[dev], sel.node[dev], sel.score[dev])
         state.codes, state.history = state.codes[dev], state.history[dev]
         state.path_scores = state.path_scores[dev]
         state.device_slots = state.device_slots[dev]
         state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
-        state.prompts = torch.cat([self.runner.request_table.get(t) for t in state.table_rows])
+        state.prompts = torch.cat(state.prompt_slots).to(self.runner.device, non_blocking=True)
         state.noise = NoiseSource(state.requests, self.runner.device)
         if state.masks is not None:
             kept = [i for i, k in enumerate(keep) if k]
@@ -287,10 +287,12 @@ class BeamWave:
             raise ValueError("item filters need a catalog (--catalog)")
         first = BeamLayout.create([1] * len(requests), device)
         state.layout = BeamLayout.create([r.n for r in requests], device)
-        slots = [self.runner.request_table.get(row) for row in state.table_rows]
+        # Host slots (state.prompt_slots), not the device table: reading it back would be one
+        # device-to-host sync per request. Every upload is non-blocking for the same reason.
         self._mark("start")
-        step = prepare_prefill(prompts, [s.cpu() for s in slots], state.cached_lens)
-        hidden = self.runner.forward(step)[(step.qo_indptr[1:] - 1).to(device)]
+        step = prepare_prefill(prompts, state.prompt_slots, state.cached_lens)
+        last = (step.qo_indptr[1:] - 1).to(device, non_blocking=True)
+        hidden = self.runner.forward(step)[last]
         zeros = torch.zeros(len(requests), device=device)
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
         state.sel = self._select(
@@ -298,9 +300,9 @@ class BeamWave:
         )
         state.codes = state.sel.code[:, None]
         state.path_scores = state.sel.score[:, None]
-        state.device_slots = state.decode_slots.to(device)
+        state.device_slots = state.decode_slots.to(device, non_blocking=True)
         state.history = state.device_slots[:, :0]
-        state.prompts = torch.cat(slots)  # on the device, once per wave
+        state.prompts = torch.cat(state.prompt_slots).to(device, non_blocking=True)  # once
         state.level = 1
         self._mark("prefill")
 

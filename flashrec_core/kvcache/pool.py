@@ -99,7 +99,7 @@ class RequestTable:
                 "raise --max-context (EngineConfig.max_context)"
             )
         row = self._free_rows.pop()
-        self.slots[row, : slots.numel()] = slots.to(self.slots.device)
+        self.slots[row, : slots.numel()] = slots.to(self.slots.device, non_blocking=True)
         self.lengths[row] = slots.numel()
         return row
 

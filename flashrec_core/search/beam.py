@@ -37,7 +37,9 @@ class BeamLayout:
         row_request = torch.repeat_interleave(torch.arange(len(widths)), w)
         offsets = torch.cumsum(w, 0) - w
         row_rank = torch.arange(int(w.sum())) - offsets[row_request]
-        return cls(w.to(device), row_request.to(device), row_rank.to(device), max(widths))
+        # non_blocking: a blocking host-to-device copy waits for all queued GPU work
+        copy = {"device": device, "non_blocking": True}
+        return cls(w.to(**copy), row_request.to(**copy), row_rank.to(**copy), max(widths))
 
     @property
     def num_rows(self) -> int:
@@ -127,4 +129,4 @@ def gumbel_noise(
             continue
         u = torch.rand((rows, width), generator=gen, dtype=torch.float64)
         parts.append(-torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16))) * temp)
-    return torch.cat(parts).to(device=device, dtype=torch.float32)
+    return torch.cat(parts).to(torch.float32).to(device, non_blocking=True)

@@ -202,10 +202,10 @@ class FilterMasks:
         for b, f in enumerate(filters):
             if f is not None:
                 sid[b] = f.sid_mask
-        leaves = torch.from_numpy(sid).to(device)
+        leaves = torch.from_numpy(sid).to(device, non_blocking=True)
         levels = []
         for d in range(trie.depth - 1):  # children of level d are nodes at level d + 1
-            parent = torch.from_numpy(index.ancestors[d]).to(device)
+            parent = torch.from_numpy(index.ancestors[d]).to(device, non_blocking=True)
             mask = torch.zeros(
                 len(filters), trie.num_nodes(d + 1), dtype=torch.uint8, device=device
             )

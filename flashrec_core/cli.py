@@ -118,6 +118,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: each request excludes this many random items")  # fmt: skip
     e2e.add_argument("--allow-items", type=int, default=0,
                      help="with --engine: each request allows only this many random items")  # fmt: skip
+    e2e.add_argument("--filter-categories", type=int, default=0,
+                     help="with --engine: each request allows this many of the bench catalog's "
+                     "100 item categories (an attribute filter)")  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="write a tiny random GenRec checkpoint + catalog")
@@ -504,6 +507,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         result = e2e.bench_engine(
             Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
             level_sizes, exclude_items=args.exclude_items, allow_items=args.allow_items,
+            filter_categories=args.filter_categories,
         )  # fmt: skip
     else:
         from flashrec_core.bench.load import run_server_bench

@@ -95,8 +95,9 @@ for what in "${@:-tests}"; do
     filters)  # the cost of per-request item filters at n=512 (issue 13): none, 10k excluded, 1k allowed
       ck=/tmp/bench-ckpt
       [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
-      for f in "" "--exclude-items 10000" "--allow-items 1000"; do
-        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 | grep -E "requests_per_s|percent|eager|items"
+      for f in "" "--exclude-items 10000" "--allow-items 1000" "--filter-categories 10"; do
+        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 \
+          | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak"
       done ;;
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ck=/tmp/bench-ckpt

@@ -43,8 +43,10 @@ def write_bench_checkpoint(
     del model
     _bench_tokenizer(config.vocab_size, level_sizes).save_pretrained(out)
     codes = random_catalog(level_sizes, catalog_size, seed)
-    catalog = {",".join(map(str, row)): f"item-{i}" for i, row in enumerate(codes.tolist())}
-    (out / "catalog.json").write_text(json.dumps(catalog))
+    sids = {",".join(map(str, row)): f"item-{i}" for i, row in enumerate(codes.tolist())}
+    # one attribute per item (100 categories) for the attribute-filter bench
+    items = {f"item-{i}": {"category": f"c{i % CATEGORIES}"} for i in range(len(sids))}
+    (out / "catalog.json").write_text(json.dumps({"sids": sids, "items": items}))
     return out
 
 
@@ -67,15 +69,21 @@ def _bench_tokenizer(vocab_size: int, level_sizes: tuple[int, ...]) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
 
 
+CATEGORIES = 100
+"""Distinct `category` values in the bench catalog's item metadata."""
+
+
 def bench_engine(
     model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
-    exclude_items: int = 0, allow_items: int = 0,
+    exclude_items: int = 0, allow_items: int = 0, filter_categories: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
     shapes, same shared prefix) that also fills the prefix cache as a running server's is,
     and the latency of one request alone. With `exclude_items` /
-    `allow_items`, every request carries an item filter of that many random catalog items
+    `allow_items`, every request carries an item filter of that many random catalog items; with
+    `filter_categories`, an attribute filter allowing that many random categories of
+    `CATEGORIES`
     (built before the clock starts, as a server builds it before submitting)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
@@ -85,12 +93,19 @@ def bench_engine(
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
     layout = engine.layout
     spec = RequestSpec(num_requests, prompt_len, shared_prefix, n)
+    filtered = bool(exclude_items or allow_items or filter_categories)
+
+    def workload(body_seed: int) -> list[GenerationRequest]:
+        reqs = synthetic_requests(spec, layout, seed, body_seed=body_seed)
+        if filtered:  # built before the clock starts, as a server builds them before submitting
+            reqs = _with_filters(engine, reqs, exclude_items, allow_items, filter_categories,
+                                 body_seed)  # fmt: skip
+        return reqs
+
     for i in range(2):  # warm-up: JIT, graph captures of every wave shape, allocator growth
-        engine.generate(synthetic_requests(spec, layout, seed, body_seed=seed + 1 + i))
+        engine.generate(workload(seed + 1 + i))
     _fill_prefix_cache(engine, spec, seed)
-    requests = synthetic_requests(spec, layout, seed, body_seed=seed + 100)
-    if exclude_items or allow_items:
-        requests = _with_filters(engine, requests, exclude_items, allow_items, seed)
+    requests = workload(seed + 100)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
@@ -131,6 +146,7 @@ def bench_engine(
         "eager_steps": graphs.stats.eager_steps if graphs else None,
         "exclude_items": exclude_items,
         "allow_items": allow_items,
+        "filter_categories": filter_categories,
         "kv_cache_dtype": ecfg.kv_cache_dtype,
         "quantization": ecfg.quantization,
     }
@@ -148,8 +164,9 @@ def _fill_prefix_cache(engine: Any, spec: RequestSpec, seed: int, share: float =
 
 
 def _with_filters(
-    engine: Any, requests: list[GenerationRequest], exclude: int, allow: int, seed: int
-) -> list[GenerationRequest]:
+    engine: Any, requests: list[GenerationRequest], exclude: int, allow: int, categories: int,
+    seed: int,
+) -> list[GenerationRequest]:  # fmt: skip
     from dataclasses import replace
 
     rng = np.random.default_rng(seed + 7)
@@ -164,7 +181,12 @@ def _with_filters(
         al = (
             [items[i] for i in rng.choice(len(items), size=allow, replace=False)] if allow else None
         )
-        out.append(replace(req, item_filter=engine.create_filter(ex, al)))
+        attrs = (
+            {"category": [f"c{c}" for c in rng.choice(CATEGORIES, size=categories, replace=False)]}
+            if categories
+            else None
+        )
+        out.append(replace(req, item_filter=engine.create_filter(ex, al, attrs)))
     return out
 
 

@@ -173,26 +173,27 @@ def _environment() -> dict[str, Any]:
 
 def markdown_table(report: Report) -> str:
     """Rows: throughput and unloaded latency per width; columns: reference, FlashRec, ratio
-    (>1: FlashRec faster), and the top-n SID-set overlap of the two engines."""
+    (>1: FlashRec faster), the top-n SID-set overlap of the two engines, and the share of the
+    reference's returned SIDs that are not in the catalog (ours: `invalid_results`)."""
     lines = [
-        "| metric | reference | FlashRec | ratio (>1: FlashRec faster) | top-n overlap |",
-        "|---|---|---|---|---|",
+        "| metric | reference | FlashRec | ratio (>1: FlashRec faster) | top-n overlap "
+        "| reference SIDs not in catalog |",
+        "|---|---|---|---|---|---|",
     ]
     for n in report.widths:
         ref = report.get(f"reference.n{n}.throughput.requests_per_s")
         ours = report.get(f"flashrec.n{n}.requests_per_s")
         ratio = ours / ref if ref and ours else None
         ov = report.get(f"overlap.n{n}.mean")
-        lines.append(
-            f"| n={n} throughput (req/s) | {_f(ref)} | {_f(ours)} | {_f(ratio)} | {_f(ov)} |"
-        )
+        bad = report.get(f"reference.n{n}.throughput.not_in_catalog_share")
+        cells = (_f(ref), _f(ours), _f(ratio), _f(ov), _f(bad))
+        lines.append(f"| n={n} throughput (req/s) | {' | '.join(cells)} |")
     for n in report.widths:
         ref = report.get(f"reference.n{n}.single.single_request_p50_ms")
         ours = report.get(f"flashrec.n{n}.single_request_p50_ms")
         ratio = ref / ours if ref and ours else None
-        lines.append(
-            f"| unloaded n={n} latency p50 (ms) | {_f(ref)} | {_f(ours)} | {_f(ratio)} | |"
-        )
+        cells = (_f(ref), _f(ours), _f(ratio), "", "")
+        lines.append(f"| unloaded n={n} latency p50 (ms) | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -210,6 +211,11 @@ def load_setup(spec: CompareSpec, tmp: Path) -> Setup:
     sid2vid copy of it (unique SIDs as {"c1,c2,c3": 1}, the format its catalog tool writes)."""
     from transformers import AutoTokenizer
 
+    if not (spec.ckpt / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{spec.ckpt} has no config.json; write the checkpoint first with `flashrec bench "
+            f"--preset qwen3-1.7b --write-checkpoint {spec.ckpt}`"
+        )
     tok = AutoTokenizer.from_pretrained(str(spec.ckpt), local_files_only=True)
     layout = infer_sid_layout(tok.get_vocab())
     catalog = load_catalog(spec.ckpt / "catalog.json", layout.level_sizes)
@@ -404,11 +410,13 @@ def result_sids(result: Any, layout: SidLayout) -> list[tuple[int, ...] | None]:
 def sid_checks(sids: list[list[tuple[int, ...] | None]], n: int, catalog: Catalog) -> dict:
     """Every request has n distinct SIDs, each in the catalog."""
     flat = [s for row in sids for s in row]
+    missing = sum(s is None or catalog.row_of(s) < 0 for s in flat)
     return {
         "short_results": sum(len(row) < n for row in sids),
         "duplicate_sids": sum(len(row) - len(set(row)) for row in sids),
         "not_sids": sum(s is None for s in flat),
-        "not_in_catalog": sum(s is not None and catalog.row_of(s) < 0 for s in flat),
+        "not_in_catalog": missing,
+        "not_in_catalog_share": missing / max(len(flat), 1),
     }
 
 
@@ -431,7 +439,6 @@ def reference_throughput(spec: CompareSpec, setup: Setup, engine: Any, n: int, n
         "cached_tokens": sum(int(r.cached_tokens) for r in results),
         "peak_memory_gib": _peak_gib(),
         **sid_checks(sids, n, setup.catalog),
-        **reference_runtime(engine),
     }
 
 
@@ -520,10 +527,11 @@ def _measure_reference(
     phases = (
         ("throughput", lambda: reference_throughput(spec, setup, engine, n, num)),
         ("single", lambda: reference_single(spec, setup, engine, n)),
+        ("runtime", lambda: reference_runtime(engine)),
     )
     for name, fn in phases:
         value = run_phase(report, f"{where}.{name}", fn)
-        if value is not None:
+        if value is not None and _headline(value):
             log(f"{where}.{name}: {_headline(value)}")
     return run_phase(
         report, f"overlap.n{n}", lambda: reference_overlap_sids(spec, setup, engine, n), False
@@ -616,7 +624,9 @@ def ours_overlap(
 def _overlap(
     engine: Any, reqs: Sequence[GenerationRequest], ref: list[list[tuple[int, ...] | None]]
 ) -> dict[str, Any]:
-    """|top-n of ours ∩ top-n of the reference| / n per request, and top-1 agreement."""
+    """|top-n of ours ∩ top-n of the reference| / n per request, the same for the SIDs' prefixes
+    without the last level (the level where the reference's choice is least constrained), and
+    top-1 agreement."""
     ours = [[tuple(row) for row in r.codes.tolist()] for r in engine.generate(list(reqs))]
     shares = [len(set(a) & set(b)) / req.n for a, b, req in zip(ours, ref, reqs)]
     return {
@@ -624,10 +634,17 @@ def _overlap(
         "mean": float(np.mean(shares)),
         "min": float(np.min(shares)),
         "per_request": shares,
+        "prefix_overlap": [_prefix_share(a, b) for a, b in zip(ours, ref)],
         "top1_agree": sum(bool(a and b and a[0] == b[0]) for a, b in zip(ours, ref)),
         "ours_counts": [len(a) for a in ours],
         "reference_counts": [len(b) for b in ref],
     }
+
+
+def _prefix_share(ours: list[tuple[int, ...]], ref: list[tuple[int, ...] | None]) -> float:
+    """Share of the reference's distinct SID prefixes (all levels but the last) that ours has."""
+    theirs = {s[:-1] for s in ref if s is not None}
+    return len(theirs & {s[:-1] for s in ours}) / max(len(theirs), 1)
 
 
 # -- main --------------------------------------------------------------------------------------

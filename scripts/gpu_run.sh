@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT.
 set -uo pipefail
 out=${OUT:-bench_out}
@@ -113,6 +113,15 @@ for what in "${@:-tests}"; do
       timeout "$guard" flashrec bench --server http://127.0.0.1:8124 --model-dir "$ck" -n 50 --requests 200 \
         --concurrency 200 --rates 0.7 --out "$out/server_profile_n50.json" 2>&1 | grep -E "throughput|p50|busy|per_wave|lag|mean_ms"
       kill -TERM $srv; wait $srv; head -70 "$out/engine_profile.txt" ;;
+    compare)  # the reference engine and ours: same checkpoint, catalog, prompts and timing
+      ck=/tmp/bench-ckpt
+      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      # its own --target dir, on PYTHONPATH for the script only (it runs on the deps in /tmp/site)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/refsite \
+        .whl/ref/flashrec-*.whl || { echo "reference wheel install failed"; continue; }
+      # shellcheck disable=SC2086  # COMPARE_ARGS is a list of flags
+      PYTHONPATH=/tmp/refsite:$PYTHONPATH timeout "$guard" python3 scripts/compare_reference.py --ckpt "$ck" \
+        --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare_reference.log" | tail -45 ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

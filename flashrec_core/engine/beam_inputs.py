@@ -108,9 +108,6 @@ class NoiseSource:
         return gumbel_noise(rows, width, self.generators, self.temperatures, self.device)
 
 
-GREEDY = NoiseSource([], torch.device("cpu"))
-
-
 def _fresh_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 

@@ -14,12 +14,11 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
 from flashrec_core.config import triton_usable
-from flashrec_core.engine.beam_inputs import GREEDY, NoiseSource, StepShape, prepare_beam_decode
+from flashrec_core.engine.beam_inputs import NoiseSource, StepShape, prepare_beam_decode
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, prepare_prefill
@@ -28,10 +27,10 @@ from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
     BeamLayout,
     Selection,
-    expand_beams,
 )
 from flashrec_core.search.filters import CatalogIndex, FilterMasks
 from flashrec_core.search.lm_head import RestrictedLMHead
+from flashrec_core.search.selector import BeamSelector
 from flashrec_core.search.sid_layout import SidLayout
 from flashrec_core.search.trie import Trie
 
@@ -102,11 +101,11 @@ class BeamWave:
         self.catalog_index = catalog_index
         """Item -> SID rows and trie ancestors, for per-request filters (None: no catalog)."""
         ecfg = runner.loaded.engine_config
-        self.trie_kernel = (
+        trie_kernel = (
             runner.device.type == "cuda" and ecfg.enable_fused_trie_topk and triton_usable(ecfg)[0]
         )
-        """Selection through the fused trie-mask + top-k Triton kernel (else its torch reference)."""
-        self.graphs = DecodeGraphs.create(runner, partial(self._graph_step, trie))
+        self.selector = BeamSelector(head, trie_kernel)
+        self.graphs = DecodeGraphs.create(runner, self.selector, trie)
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()
@@ -159,7 +158,7 @@ class BeamWave:
             return
         state.version, state.index = version, version.index
         state.trie = version.trie(self.runner.device)
-        state.variant = GraphVariant(version.version, partial(self._graph_step, state.trie))
+        state.variant = GraphVariant(version.version, state.trie)
         self._versions[version.version] = version
         self._in_flight[version.version] += 1
 
@@ -377,29 +376,10 @@ class BeamWave:
         parents: BeamLayout,
         out: BeamLayout,
         noise: NoiseSource,
-        masks: FilterMasks | None = None,
-        trie: Trie | None = None,
-    ) -> Selection:
-        trie = trie or self.trie
-        log_probs = self.head.log_probs(hidden, level)
-        if masks is not None:
-            log_probs = masks.apply(trie, level, nodes, parents.row_request, log_probs)
-        return expand_beams(
-            trie, level, nodes, parent_score.float(), log_probs, parents, out,
-            noise.draw(parents, trie.max_children(level)), use_kernel=self.trie_kernel,
-        )  # fmt: skip
-
-    def _graph_step(
-        self,
+        masks: FilterMasks | None,
         trie: Trie,
-        level: int,
-        hidden: torch.Tensor,
-        parent_score: torch.Tensor,
-        nodes: torch.Tensor,
-        layout: BeamLayout,
-        masks: FilterMasks | None = None,
     ) -> Selection:
-        """The captured part of a beam step after the forward over `trie`: greedy selection,
-        no noise (its tables are baked into the graph, hence one graph variant per trie), the
-        filter masks (graph inputs) when the wave is filtered."""
-        return self._select(hidden, level, parent_score, nodes, layout, layout, GREEDY, masks, trie)
+        draw = noise.draw(parents, trie.max_children(level))
+        return self.selector.select(
+            trie, level, hidden, parent_score, nodes, parents, out, draw, masks
+        )

@@ -1,7 +1,9 @@
 """Whole-step CUDA graphs for beam decode steps.
 
-One replay covers a whole beam step: model forward, restricted LM head, trie mask, top-k and
-beam expansion (the new parent, code, node and score of every row). What stays outside is the
+One replay covers a whole beam step: model forward, then `BeamSelector.select` (restricted LM
+head, filter masks, trie mask, top-k and beam expansion: the new parent, code, node and score of
+every row). The runner owns its selector, input buffers and mask buffers; it never calls back
+into the search loop. What stays outside is the
 attention plan (host scheduling into FlashInfer's fixed index buffers) and a few small copies.
 
 Shapes. A graph is captured per (level, padded request count, beam width): the head's codebook
@@ -35,6 +37,8 @@ import torch
 
 from flashrec_core.search.beam import BeamLayout, Selection
 from flashrec_core.search.filters import FilterMasks
+from flashrec_core.search.selector import BeamSelector
+from flashrec_core.search.trie import Trie
 
 if TYPE_CHECKING:
     from flashrec_core.attention.flashinfer import GraphAttention
@@ -42,23 +46,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flashrec")
 
-StepFn = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, BeamLayout, FilterMasks | None], Selection
-]
-"""(level, hidden [R, H], parent score [R], parent node [R], layout, filter masks or None) -> the
-step's Selection."""
-
 MASK_BUFFER_BYTES = 1 << 30
 """Largest filter-mask buffer (one per catalog version, level and width) a graph may read; a
 filtered wave whose buffer would be larger (a huge catalog at a small n) runs eagerly."""
 
 
 class GraphVariant(NamedTuple):
-    """A step function with the tensors it bakes into its graphs (a catalog version's trie),
-    and the key its graphs are kept under (`forget(key)` drops them)."""
+    """A trie the graphs bake in (a catalog version's), and the key its graphs are kept under
+    (`forget(key)` drops them)."""
 
     key: int
-    step_fn: StepFn
+    trie: Trie
 
 
 def capture_request_counts(width: int, max_rows: int) -> list[int]:
@@ -103,9 +101,12 @@ class _StepGraph:
 class DecodeGraphs:
     """Captured beam steps of one engine, sharing one memory pool and one set of input buffers."""
 
-    def __init__(self, runner: ModelRunner, step_fn: StepFn, max_rows: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, selector: BeamSelector, trie: Trie, max_rows: int
+    ) -> None:
         self.runner = runner
-        self.step_fn = step_fn
+        self.selector = selector
+        self.default = GraphVariant(0, trie)  # steps that name no variant
         self.max_rows = max_rows
         self.stats = GraphStats()
         # (variant, level, requests, width, filtered)
@@ -124,7 +125,7 @@ class DecodeGraphs:
         self._eager_reason = ""  # why the last wave `padded_requests` turned down runs eagerly
 
     @classmethod
-    def create(cls, runner: ModelRunner, step_fn: StepFn) -> DecodeGraphs | None:
+    def create(cls, runner: ModelRunner, selector: BeamSelector, trie: Trie) -> DecodeGraphs | None:
         """The engine's graphs, or None (logged) when this engine cannot capture steps."""
         cfg = runner.loaded.engine_config
         reason = None
@@ -137,7 +138,7 @@ class DecodeGraphs:
         if reason is not None:
             logger.info("CUDA graphs off (%s): beam steps run eagerly", reason)
             return None
-        return cls(runner, step_fn, cfg.max_wave_rows)
+        return cls(runner, selector, trie, cfg.max_wave_rows)
 
     def padded_requests(
         self, widths: list[int], sampling: bool, masks: FilterMasks | None = None
@@ -170,7 +171,7 @@ class DecodeGraphs:
         masks: FilterMasks | None = None,
     ) -> Selection:  # fmt: skip
         """One beam step by graph replay (captured on first use of this shape and variant;
-        no variant: the step function the graphs were created with, key 0). `masks`: the
+        no variant: the trie the graphs were created with, key 0). `masks`: the
         wave's filter masks (real requests' rows; the graph's pad rows allow everything)."""
         return self._step(level, step, score, node, layout, True, variant, masks)
 
@@ -212,13 +213,15 @@ class DecodeGraphs:
         masks: FilterMasks | None = None,
     ) -> Selection:  # fmt: skip
         rows = layout.num_rows
-        variant = variant or GraphVariant(0, self.step_fn)
+        variant = variant or self.default
         key = (variant.key, level, layout.widths.numel(), layout.max_width, masks is not None)
         if key in self._failed:  # this shape could not be captured: its steps stay eager
             self._eager_reason = self._failed[key]
             self.count_eager(1)
             hidden = self.runner.forward(step)
-            return variant.step_fn(level, hidden, score, node, layout, masks)
+            return self.selector.select(
+                variant.trie, level, hidden, score, node, layout, layout, None, masks
+            )
         graph = self._graphs.get(key)
         with torch.inference_mode():
             self._ids[:rows].copy_(step.input_ids, non_blocking=True)
@@ -231,7 +234,7 @@ class DecodeGraphs:
             )
             if graph is None:
                 try:
-                    graph = self._capture(key, step, layout, variant.step_fn, graph_masks)
+                    graph = self._capture(key, step, layout, variant.trie, graph_masks)
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
                     self._failed[key] = (
                         f"capture of level {level}, {key[2]} x {key[3]} failed: {exc}"
@@ -250,7 +253,7 @@ class DecodeGraphs:
 
     def _capture(
         self, key: tuple[int, int, int, int, bool], step: StepInput, layout: BeamLayout,
-        step_fn: StepFn, masks: FilterMasks | None,
+        trie: Trie, masks: FilterMasks | None,
     ) -> _StepGraph:  # fmt: skip
         _, level, num_requests, _, filtered = key
         rows = layout.num_rows
@@ -262,7 +265,10 @@ class DecodeGraphs:
             hidden = self.runner.forward_batch(
                 self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
             )
-            return step_fn(level, hidden, self._score[:rows], self._node[:rows], layout, masks)
+            return self.selector.select(
+                trie, level, hidden, self._score[:rows], self._node[:rows], layout, layout,
+                None, masks,
+            )  # fmt: skip
 
         # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
         # same K/V the replay writes, so it is harmless.

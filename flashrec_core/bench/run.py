@@ -96,14 +96,13 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     stats_before = _graph_counts(wave)
-    wave.timeline = []
     ends = []
     outputs = []
-    for group in waves:
-        outputs.append(wave.run(group))
-        ends.append(wave.timeline[-1][1])
+    with wave.recording() as marks:
+        for group in waves:
+            outputs.append(wave.run(group))
+            ends.append(marks[-1][1])
     torch.cuda.synchronize()
-    marks = wave.timeline
     start = marks[0][1]
     wave_ms = [start.elapsed_time(e) for e in ends]
     stages = _stage_times(marks)
@@ -146,7 +145,6 @@ def _profile(wave: BeamWave, requests: list[GenerationRequest], path: str) -> No
     """One more wave under torch.profiler: where the step time goes (kernels vs host)."""
     from torch.profiler import ProfilerActivity, profile
 
-    wave.timeline = None
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wave.run(requests)
         torch.cuda.synchronize()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -109,20 +110,43 @@ class BeamWave:
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()
-        self.eager_padding: Callable[[list[int]], int] | None = None
-        """Without graphs: pad each wave to this many requests anyway (tests of the padding)."""
-        self.timeline: list[tuple[str, torch.cuda.Event]] | None = None
-        """When a list (benchmarks on CUDA), CUDA events are recorded at each stage boundary."""
+        self._eager_padding: Callable[[list[int]], int] | None = None  # see eager_steps
+        self._timeline: list[tuple[str, torch.cuda.Event]] | None = None  # see recording
+
+    @contextmanager
+    def eager_steps(
+        self, pad_to: Callable[[list[int]], int] | None = None
+    ) -> Iterator[None]:  # fmt: skip
+        """Beam steps run eagerly inside the block (graphs off), each wave padded to
+        `pad_to(widths)` requests when given: the graph path's padding without its replays
+        (tests and diagnostics that name which path diverged)."""
+        graphs, padding = self.graphs, self._eager_padding
+        self.graphs, self._eager_padding = None, pad_to
+        try:
+            yield
+        finally:
+            self.graphs, self._eager_padding = graphs, padding
+
+    @contextmanager
+    def recording(self) -> Iterator[list[tuple[str, torch.cuda.Event]]]:
+        """A CUDA event at each stage boundary (prefill, decode1, ...) of the waves run inside
+        the block, appended to the list it yields (benchmarks on CUDA)."""
+        marks: list[tuple[str, torch.cuda.Event]] = []
+        self._timeline = marks
+        try:
+            yield marks
+        finally:
+            self._timeline = None
 
     @property
     def depth(self) -> int:
         return self.trie.depth
 
     def _mark(self, name: str) -> None:
-        if self.timeline is not None:
+        if self._timeline is not None:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.timeline.append((name, event))
+            self._timeline.append((name, event))
 
     def run(self, requests: list[GenerationRequest]) -> WaveOutput:
         state = self.begin(requests)
@@ -357,8 +381,8 @@ class BeamWave:
             return self.graphs.padded_requests(widths, sampling, masks)
         if masks is not None:  # filter masks hold one row per real request: no pad requests
             return None
-        if self.eager_padding is not None and not sampling:
-            return self.eager_padding(widths)
+        if self._eager_padding is not None and not sampling:
+            return self._eager_padding(widths)
         return None
 
     def output(self, state: WaveState) -> WaveOutput:

@@ -148,8 +148,8 @@ class BeamSearchConformance:
         engine = create_engine(path, write_catalog(tmp_path / "c.json", random_codes(300, 2)))
         reqs = [engine.make_request(prompt=p, n=6) for p in PROMPTS[:2]]
         plain = engine.generate(reqs)
-        engine.wave.eager_padding = lambda widths: len(widths) + 3
-        padded = engine.generate(reqs)
+        with engine.wave.eager_steps(pad_to=lambda widths: len(widths) + 3):
+            padded = engine.generate(reqs)
         for a, b in zip(plain, padded):
             assert_same_ranking(_ranked(b), _ranked(a), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -86,11 +88,10 @@ def test_padded_and_cached_waves_score_like_transformers(engine_and_hf, mode: st
     engine, hf = engine_and_hf
     graphs = engine.wave.graphs
     assert graphs is not None
-    if mode == "eager":  # same engine and weights, eager steps at the same padded shape
-        engine.wave.graphs, engine.wave.eager_padding = None, lambda widths: 4
     offset = 0 if mode == "graphs" else 10  # fresh prompts: the first run is uncached
     reqs = [engine.make_request(prompt=f"user w{i + offset} w{i + 3} item", n=8) for i in range(3)]
-    try:
+    # eager: same engine and weights, eager steps at the same padded shape
+    with engine.wave.eager_steps(pad_to=lambda widths: 4) if mode == "eager" else nullcontext():
         for run in ("uncached", "cached"):
             before = graphs.stats.replays
             for req, res in zip(reqs, engine.generate(reqs)):
@@ -106,8 +107,6 @@ def test_padded_and_cached_waves_score_like_transformers(engine_and_hf, mode: st
                 assert gap < BF16_BOUND, f"{mode}, {run}: beams worse than transformers' by {gap}"
             replays = graphs.stats.replays - before
             assert replays == (len(LEVELS) - 1 if mode == "graphs" else 0)
-    finally:
-        engine.wave.graphs, engine.wave.eager_padding = graphs, None
 
 
 def test_sampling_waves_fall_back_to_eager_and_say_why(engine: Engine) -> None:

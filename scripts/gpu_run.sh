@@ -95,9 +95,12 @@ for what in "${@:-tests}"; do
     filters)  # the cost of per-request item filters at n=512 (issue 13): none, 10k excluded, 1k allowed
       ck=/tmp/bench-ckpt
       [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
-      for f in "" "--exclude-items 10000" "--allow-items 1000" "--filter-categories 10"; do
+      # FILTER_CASES: comma-separated bench flags per run ("" = unfiltered), default all four
+      IFS=, read -ra cases <<< "${FILTER_CASES-,--exclude-items 10000,--allow-items 1000,--filter-categories 10}"
+      for f in "${cases[@]}"; do
+        # shellcheck disable=SC2086  # $f is a list of flags
         timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 \
-          | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak"
+          | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak|invalid|short"
       done ;;
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ck=/tmp/bench-ckpt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,6 +44,12 @@ class ItemFilter:
     sid_mask: np.ndarray  # bool [num_sids]: at least one of the SID's items is allowed
     item_mask: np.ndarray  # bool [distinct items]: the item may be returned
     index: CatalogIndex
+
+    @cached_property
+    def packed_sids(self) -> np.ndarray:
+        """`sid_mask` as bits (np.packbits): what a wave uploads, 8x less than the bools. Built
+        when the request is made (off the engine thread)."""
+        return np.packbits(self.sid_mask)
 
     def keeps(self, item: str) -> bool:
         i = self.index.item_index.get(item)
@@ -79,6 +86,16 @@ class CatalogIndex:
         self.occ_row = np.asarray(occ_row, dtype=np.int64)
         self.ancestors = prefix_nodes(catalog.codes)
         self._values: dict[str, dict[AttrValue, list[int]]] = {}
+        self._device_ancestors: dict[torch.device, list[torch.Tensor]] = {}
+
+    def ancestors_on(self, device: torch.device) -> list[torch.Tensor]:
+        """`ancestors` of the inner levels on `device`, uploaded once per catalog (call it on
+        the engine thread)."""
+        if device not in self._device_ancestors:
+            self._device_ancestors[device] = [
+                torch.from_numpy(a).to(device) for a in self.ancestors[:-1]
+            ]
+        return self._device_ancestors[device]
 
     def create_filter(
         self,
@@ -106,7 +123,9 @@ class CatalogIndex:
             raise FilterError(
                 f"no catalog item is left after {' and '.join(fields)}; widen them", fields[0]
             )
-        return ItemFilter(sid_mask, keep, self)
+        made = ItemFilter(sid_mask, keep, self)
+        made.packed_sids  # noqa: B018 - packed here, off the engine thread
+        return made
 
     def allow_all(self) -> ItemFilter:
         """A filter that keeps every item: a filtered wave's shapes without changing results
@@ -158,6 +177,13 @@ def _key(value: object) -> AttrValue:
     return value  # type: ignore[return-value]
 
 
+def unpack_bits(bits: torch.Tensor, num: int) -> torch.Tensor:
+    """uint8 [B, ceil(num / 8)] of np.packbits rows (first element in the top bit) -> uint8
+    [B, num] of 0 / 1, on the tensor's device."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=bits.device)
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :num]
+
+
 def prefix_nodes(codes: np.ndarray) -> list[np.ndarray]:
     """For sorted, unique SIDs [N, depth]: out[d][i] = trie node id of row i's prefix of length
     d + 1, at level d + 1 (numbered as `build_trie` numbers them); the last entry is the row."""
@@ -198,21 +224,23 @@ class FilterMasks:
         if all(f is None for f in filters):
             return None
         num = len(index.catalog)
-        sid = np.ones((len(filters), num), dtype=bool)  # unfiltered requests allow everything
-        for b, f in enumerate(filters):
-            if f is not None:
-                sid[b] = f.sid_mask
-        leaves = torch.from_numpy(sid).to(device, non_blocking=True)
+        if device.type == "cpu":  # nothing to upload: the bools as they are
+            everything = np.ones(num, dtype=bool)  # an unfiltered request
+            sids = np.stack([f.sid_mask if f is not None else everything for f in filters])
+            leaves_u8 = torch.from_numpy(sids.view(np.uint8))
+        else:  # upload the requests' bits (1 MB of bools is 125 KB), unpacked on the device
+            everything = np.full((num + 7) // 8, 0xFF, dtype=np.uint8)
+            packed = np.stack([f.packed_sids if f is not None else everything for f in filters])
+            bits = torch.from_numpy(packed).to(device, non_blocking=True)
+            leaves_u8 = unpack_bits(bits, num)
         levels = []
-        for d in range(trie.depth - 1):  # children of level d are nodes at level d + 1
-            parent = torch.from_numpy(index.ancestors[d]).to(device, non_blocking=True)
+        for d, parent in enumerate(index.ancestors_on(device)):  # level d's children: d + 1
             mask = torch.zeros(
                 len(filters), trie.num_nodes(d + 1), dtype=torch.uint8, device=device
             )
-            src = leaves.to(torch.uint8)
-            mask.scatter_reduce_(1, parent.expand(len(filters), -1), src, reduce="amax")
-            levels.append(mask.bool())
-        levels.append(leaves)
+            mask.scatter_reduce_(1, parent.expand(len(filters), -1), leaves_u8, reduce="amax")
+            levels.append(mask.view(torch.bool))  # 0/1 bytes: a reinterpretation, no copy
+        levels.append(leaves_u8.view(torch.bool))
         return cls(levels)
 
     def select(self, keep: torch.Tensor) -> FilterMasks:

@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
-from flashrec_core.search.filters import FilterError
+from flashrec_core.search.filters import FilterError, unpack_bits
 from flashrec_core.testing.beam_conformance import ATOL_SAME_ENGINE
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import (
@@ -218,3 +219,12 @@ def test_warm_up_runs_every_catalog_version_and_a_reload_warms_before_the_swap(
     assert engine.catalogs.get("small") is version
     assert warm_up(engine, [4], progress=False) == 2, "the default and the new catalog"
     engine.catalogs.remove("small")
+
+
+def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
+    """What a GPU wave uploads (np.packbits rows) unpacks to the same masks."""
+    rng = np.random.default_rng(3)
+    for num in (1, 7, 8, 9, 1001):
+        masks = rng.random((3, num)) < 0.3
+        packed = torch.from_numpy(np.stack([np.packbits(m) for m in masks]))
+        assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)

@@ -371,8 +371,12 @@ def _load_catalog(
         raise APIError(400, "send exactly one of `path` or `catalog`", "path", "invalid_value")
 
     def warm(version: Any) -> None:
-        if engine.wave.graphs is not None:
+        if engine.wave.graphs is None:
+            return
+        try:
             warm_up(engine, warm_widths, [version], progress=False)
+        except Exception:  # the catalog is good: serve it, its graphs capture on first use
+            logger.exception("warm-up of catalog %s failed; swapping it in unwarmed", name)
 
     try:
         if body.path is not None:

@@ -33,6 +33,10 @@ plugins=(); for p in flashrec_models_*/; do plugins+=(-e "./${p%/}"); done
 python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 bench() { timeout "$guard" flashrec bench --preset qwen3-1.7b "$@"; }
+ck=/tmp/bench-ckpt  # the bench preset as a real checkpoint directory (e2e, filters, syncs, compare)
+ensure_checkpoint() {
+  [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+}
 
 for what in "${@:-tests}"; do
   echo "=== stage $what ($(date +%T))"
@@ -74,8 +78,7 @@ for what in "${@:-tests}"; do
       timeout "$guard" python3 scripts/bench_attention.py "$out"
       timeout "$guard" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
-      ck=/tmp/bench-ckpt
-      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      ensure_checkpoint
       if [[ $what != e2e-server ]]; then
         timeout "$guard" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
         timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
@@ -93,8 +96,7 @@ for what in "${@:-tests}"; do
       curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
       echo "serve exit $?"; tail -5 "$out/serve.log" ;;
     filters)  # the cost of per-request item filters at n=512 (issue 13): none, 10k excluded, 1k allowed
-      ck=/tmp/bench-ckpt
-      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      ensure_checkpoint
       # FILTER_CASES: comma-separated bench flags per run ("" = unfiltered), default all four
       IFS=, read -ra cases <<< "${FILTER_CASES-,--exclude-items 10000,--allow-items 1000,--filter-categories 10}"
       for f in "${cases[@]}"; do
@@ -103,12 +105,10 @@ for what in "${@:-tests}"; do
           | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak|invalid|short"
       done ;;
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
-      ck=/tmp/bench-ckpt
-      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      ensure_checkpoint
       timeout "$guard" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load
-      ck=/tmp/bench-ckpt
-      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      ensure_checkpoint
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \
         --profile-engine "$out/engine_profile.txt" > "$out/serve_profile.log" 2>&1 &
       srv=$!
@@ -117,8 +117,7 @@ for what in "${@:-tests}"; do
         --concurrency 200 --rates 0.7 --out "$out/server_profile_n50.json" 2>&1 | grep -E "throughput|p50|busy|per_wave|lag|mean_ms"
       kill -TERM $srv; wait $srv; head -70 "$out/engine_profile.txt" ;;
     compare)  # the reference engine and ours: same checkpoint, catalog, prompts and timing
-      ck=/tmp/bench-ckpt
-      [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+      ensure_checkpoint
       # its own --target dir, on PYTHONPATH for the script only (it runs on the deps in /tmp/site)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/refsite \
         .whl/ref/flashrec-*.whl || { echo "reference wheel install failed"; continue; }

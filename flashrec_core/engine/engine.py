@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,11 @@ class Engine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Run beam search for every request through the engine loop (requests of one n share
         waves); results come back in request order. A request the engine can never serve
-        raises RequestRejectedError before any work starts."""
+        raises RequestRejectedError before any work starts. A request without a catalog
+        version gets the current default one (so it shares that version's CUDA graphs and
+        follows a reload of `default`)."""
+        default = self.catalogs.get()
+        requests = [r if r.catalog is not None else replace(r, catalog=default) for r in requests]
         for req in requests:
             self.loop.check(req)
         handles = [self.loop.submit(r, bounded=False) for r in requests]

@@ -228,3 +228,23 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         masks = rng.random((3, num)) < 0.3
         packed = torch.from_numpy(np.stack([np.packbits(m) for m in masks]))
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
+
+
+def test_requests_without_a_catalog_version_follow_a_reload_of_default(setup, tmp_path) -> None:
+    from flashrec_core.engine.requests import GenerationRequest
+
+    engines, _ = setup
+    engine = engines["level"]
+    original = engine.catalogs.get()
+    codes = engine.catalog.codes[::5]
+    path = tmp_path / "default.json"
+    path.write_text(json.dumps({",".join(map(str, c)): f"d{j}" for j, c in enumerate(codes)}))
+    prompt = engine.make_request(prompt="user w1 w2 item", n=4).prompt_ids
+    try:
+        engine.add_catalog("default", path)
+        [res] = engine.generate([GenerationRequest(prompt, 4)])  # no version given
+        allowed = {tuple(c) for c in codes.tolist()}
+        assert res.choices and all(c.codes in allowed for c in res.choices)
+        assert all(i.startswith("d") for c in res.choices for i in c.items)
+    finally:
+        engine.add_catalog("default", original.source)

@@ -32,7 +32,8 @@ class GenerationRequest:
     item_filter: ItemFilter | None = None
     """Which catalog items this request may return (applied inside the search)."""
     catalog: CatalogVersion | None = None
-    """The catalog version it searches (bound when the request is made; None: the default)."""
+    """The catalog version it searches (bound when the request is made; None: `Engine.generate`
+    binds the current default version)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:

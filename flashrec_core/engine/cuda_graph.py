@@ -199,7 +199,7 @@ class DecodeGraphs:
         width, count = layout.max_width, layout.widths.numel()
         wave = masks.levels[level]
         buf = self._masks.get((variant, level, width))
-        if buf is None or buf.shape[1] != wave.shape[1]:
+        if buf is None:  # a variant's trie is fixed, so is the buffer's shape
             most = self.max_rows // width
             buf = torch.ones(most, wave.shape[1], dtype=torch.bool, device=wave.device)
             self._masks[(variant, level, width)] = buf

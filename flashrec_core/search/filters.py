@@ -15,8 +15,7 @@ does not allow get log-prob -inf before top-k, exactly as the trie's own invalid
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,12 +43,12 @@ class ItemFilter:
     sid_mask: np.ndarray  # bool [num_sids]: at least one of the SID's items is allowed
     item_mask: np.ndarray  # bool [distinct items]: the item may be returned
     index: CatalogIndex
+    packed_sids: np.ndarray = field(init=False, repr=False)
+    """`sid_mask` as bits (np.packbits): what a GPU wave uploads, 8x less than the bools; packed
+    when the request is made, off the engine thread."""
 
-    @cached_property
-    def packed_sids(self) -> np.ndarray:
-        """`sid_mask` as bits (np.packbits): what a wave uploads, 8x less than the bools. Built
-        when the request is made (off the engine thread)."""
-        return np.packbits(self.sid_mask)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packed_sids", np.packbits(self.sid_mask))
 
     def keeps(self, item: str) -> bool:
         i = self.index.item_index.get(item)
@@ -123,9 +122,7 @@ class CatalogIndex:
             raise FilterError(
                 f"no catalog item is left after {' and '.join(fields)}; widen them", fields[0]
             )
-        made = ItemFilter(sid_mask, keep, self)
-        made.packed_sids  # noqa: B018 - packed here, off the engine thread
-        return made
+        return ItemFilter(sid_mask, keep, self)
 
     def allow_all(self) -> ItemFilter:
         """A filter that keeps every item: a filtered wave's shapes without changing results

@@ -5,10 +5,17 @@
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
 # gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
-# default 420) so that a slow stage still leaves the logs of the others in $OUT.
+# default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
+# bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
+# so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
+# PYTEST_WORKERS (default 4) runs the pytest stages under pytest-xdist: FlashInfer JIT-compiles
+# different kernel variants in different workers at once (it locks per variant).
 set -uo pipefail
 out=${OUT:-bench_out}
 guard=${STAGE_S:-420}
+deadline=$(( $(date +%s) + ${CALL_S:-550} ))
+# seconds the next command may run: its stage guard, cut to what is left before the deadline
+left() { local rest=$(( deadline - $(date +%s) )); (( rest < guard )) && echo $(( rest > 1 ? rest : 1 )) || echo "$guard"; }
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site MAX_JOBS=16 PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
@@ -32,25 +39,25 @@ trap pack_kernels EXIT
 plugins=(); for p in flashrec_models_*/; do plugins+=(-e "./${p%/}"); done
 python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-bench() { timeout "$guard" flashrec bench --preset qwen3-1.7b "$@"; }
+bench() { timeout "$(left)" flashrec bench --preset qwen3-1.7b "$@"; }
 ck=/tmp/bench-ckpt  # the bench preset as a real checkpoint directory (e2e, filters, syncs, compare)
 ensure_checkpoint() {
-  [[ -f $ck/config.json ]] || timeout "$guard" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
+  [[ -f $ck/config.json ]] || timeout "$(left)" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
 }
 
 for what in "${@:-tests}"; do
   echo "=== stage $what ($(date +%T))"
   case $what in
     gputests)
-      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q --tb=short -p no:cacheprovider \
+      FLASHREC_INSTANT_FAILURES=1 timeout "$(left)" python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" --tb=short -p no:cacheprovider \
         tests/gpu tests/kernels/test_trie_topk.py tests/kernels/test_beam_attention.py 2>&1 | tee "$out/gpu_tests.log" | tail -60 ;;
     tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests
-      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      FLASHREC_INSTANT_FAILURES=1 timeout "$(left)" python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -rfE --tb=short -p no:cacheprovider \
         tests/gpu tests/kernels flashrec_models_*/tests -k "gpu or GPU or kernels or fused" \
         2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     contract)  # model contract v2 on the device: every plugin's GPU conformance tier (FlashInfer
       # soft-cap / sliding window, Triton beam kernel soft-cap, graphs, BF16 + FP8), the kernels
-      FLASHREC_INSTANT_FAILURES=1 timeout "$guard" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+      FLASHREC_INSTANT_FAILURES=1 timeout "$(left)" python3 -m pytest -q -n "${PYTEST_WORKERS:-4}" -rfE --tb=short -p no:cacheprovider \
         flashrec_models_*/tests tests/kernels/test_beam_attention.py \
         tests/kernels/test_gelu_mul_fp8.py tests/gpu -k "gpu or GPU or kernel or fused or softcap" \
         2>&1 | tee "$out/contract_tests.log" | tail -40 ;;
@@ -75,13 +82,13 @@ for what in "${@:-tests}"; do
       bench -n 512 --requests 64 --beam-attention cascade --no-hf-baseline --out "$out/bench_n512_ficascade.json" 2>&1 | tail -18
       bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_flat.json" 2>&1 | tail -18 ;;
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
-      timeout "$guard" python3 scripts/bench_attention.py "$out"
-      timeout "$guard" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
+      timeout "$(left)" python3 scripts/bench_attention.py "$out"
+      timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then
-        timeout "$guard" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
-        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
+        timeout "$(left)" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
+        timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
       fi
       [[ $what == e2e-engine ]] && continue
       flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
@@ -89,9 +96,9 @@ for what in "${@:-tests}"; do
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
       echo "ready after warm-up: $(grep -c captured "$out/serve.log") captures"
-      timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
+      timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
         --concurrency 400 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
-      timeout "$guard" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
+      timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
         --concurrency 64 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
       curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
       echo "serve exit $?"; tail -5 "$out/serve.log" ;;
@@ -101,19 +108,19 @@ for what in "${@:-tests}"; do
       IFS=, read -ra cases <<< "${FILTER_CASES-,--exclude-items 10000,--allow-items 1000,--filter-categories 10}"
       for f in "${cases[@]}"; do
         # shellcheck disable=SC2086  # $f is a list of flags
-        timeout "$guard" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 \
+        timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 \
           | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak|invalid|short"
       done ;;
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ensure_checkpoint
-      timeout "$guard" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
+      timeout "$(left)" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load
       ensure_checkpoint
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \
         --profile-engine "$out/engine_profile.txt" > "$out/serve_profile.log" 2>&1 &
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8124/ready >/dev/null && break; sleep 0.5; done
-      timeout "$guard" flashrec bench --server http://127.0.0.1:8124 --model-dir "$ck" -n 50 --requests 200 \
+      timeout "$(left)" flashrec bench --server http://127.0.0.1:8124 --model-dir "$ck" -n 50 --requests 200 \
         --concurrency 200 --rates 0.7 --out "$out/server_profile_n50.json" 2>&1 | grep -E "throughput|p50|busy|per_wave|lag|mean_ms"
       kill -TERM $srv; wait $srv; head -70 "$out/engine_profile.txt" ;;
     compare)  # the reference engine and ours: same checkpoint, catalog, prompts and timing
@@ -122,10 +129,10 @@ for what in "${@:-tests}"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/refsite \
         .whl/ref/flashrec-*.whl || { echo "reference wheel install failed"; continue; }
       # shellcheck disable=SC2086  # COMPARE_ARGS is a list of flags
-      PYTHONPATH=/tmp/refsite:$PYTHONPATH timeout "$guard" python3 scripts/compare_reference.py --ckpt "$ck" \
+      PYTHONPATH=/tmp/refsite:$PYTHONPATH timeout "$(left)" python3 scripts/compare_reference.py --ckpt "$ck" \
         --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare_reference.log" | tail -45 ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
-      timeout "$guard" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
+      timeout "$(left)" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;
   esac
 done

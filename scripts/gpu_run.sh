@@ -27,11 +27,19 @@ aot=/tmp/site/flashinfer/data/aot
 if compgen -G ".ficache/ficache.tgz.*" >/dev/null; then
   mkdir -p "$aot" && cat .ficache/ficache.tgz.* | tar xzf - -C "$aot" && echo "restored $(ls "$aot" | wc -l) FlashInfer kernels"
 fi
+# Triton's compiled kernels likewise (the beam kernel and the fused elementwise kernels compile per
+# shape specialization): restored from .ficache/triton.tgz.*, packed into $OUT/triton.tgz.* on exit.
+export TRITON_CACHE_DIR=/tmp/tritoncache
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".ficache/triton.tgz.*" >/dev/null; then
+  cat .ficache/triton.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR" && echo "restored $(ls "$TRITON_CACHE_DIR" | wc -l) Triton kernels"
+fi
 pack_kernels() {
+  [[ -n $(ls "$TRITON_CACHE_DIR") ]] && tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$out/triton.tgz."
   local tmp; tmp=$(mktemp -d)
   find /tmp/fiws -name '*.so' -path '*cached_ops*' | while read -r f; do
     d="$tmp/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; done
-  [[ -d $aot ]] && cp -rn "$aot"/. "$tmp"/
+  [[ -d $aot ]] && cp -r --update=none "$aot"/. "$tmp"/
   [[ -n $(ls "$tmp") ]] && tar czf - -C "$tmp" . | split -b 15m - "$out/ficache.tgz."
   ls -la "$out"/ficache.tgz.* 2>/dev/null
 }

@@ -159,8 +159,25 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
+GPU_HEAD_DIM = 64
+
+
 def gpu_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
     """A tiny example config at head_dim 64 for the GPU tier: FlashInfer compiles kernels for head
-    dims 64, 128 and 256 (the CPU tier's head_dim 16 suits the torch backend only)."""
-    return {**hf_config, "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64,
-            "intermediate_size": 512}  # fmt: skip
+    dims 64, 128 and 256 (the CPU tier's head_dim 16 suits the torch backend only). A partial
+    rotary factor is moved to the nearest one that rotates an even number of dims at head_dim 64
+    (0.4 of 64 is 25.6, which no rotate-half RoPE can use; published Phi-2 rotates 0.4 of 80 = 32)."""
+    shaped = {**hf_config, "hidden_size": 256, "num_attention_heads": 4,
+              "head_dim": GPU_HEAD_DIM, "intermediate_size": 512}  # fmt: skip
+    if shaped.get("partial_rotary_factor") is not None:
+        shaped["partial_rotary_factor"] = _even_rotary_factor(shaped["partial_rotary_factor"])
+    rope = shaped.get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+        factor = _even_rotary_factor(rope["partial_rotary_factor"])
+        shaped["rope_parameters"] = {**rope, "partial_rotary_factor": factor}
+    return shaped
+
+
+def _even_rotary_factor(factor: float) -> float:
+    rotary_dims = max(2, 2 * round(float(factor) * GPU_HEAD_DIM / 2))
+    return rotary_dims / GPU_HEAD_DIM

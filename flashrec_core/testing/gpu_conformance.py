@@ -28,7 +28,7 @@ from flashrec_core.testing.beam_conformance import (
     random_codes,
     write_catalog,
 )
-from flashrec_core.testing.checkpoint import gpu_shape
+from flashrec_core.testing.checkpoint import GPU_HEAD_DIM, gpu_shape
 from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 
 SLACK = 0.02
@@ -72,6 +72,12 @@ class GpuConformance:
     would be inherited by every test of the subclass."""
 
     spec: ClassVar[ModelSpec]
+
+    def test_gpu_tier_shape_parses(self, example: ExampleConfig) -> None:
+        """Runs on CPU too: the GPU tier re-shapes each example to head_dim 64; a shape the spec
+        refuses would fail every GPU test of the example, found only on a CUDA machine."""
+        config = self.spec.parse_config(gpu_shape(dict(example.hf_config)))
+        assert config.head_dim == GPU_HEAD_DIM, (example.name, config.head_dim)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("quantization", ["none", "fp8"])

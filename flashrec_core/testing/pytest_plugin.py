@@ -31,6 +31,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request: pytest.FixtureRequest):
+    """After each GPU test, hand its engines' memory (KV pool, FlashInfer workspace) back to the
+    driver: GPU tiers run under pytest-xdist, and cached blocks of one worker would starve the
+    others into out-of-memory errors that are no fault of the code under test."""
+    yield
+    if "gpu" in request.keywords:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """Factory: (spec, example, level_sizes=(16,16,16)) -> (checkpoint dir, fp32 HF model).

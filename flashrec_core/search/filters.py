@@ -8,7 +8,10 @@ holds n, and an excluded item never takes a beam slot.
 
 On the device a wave of filtered requests carries one mask per trie level, `allowed[level]`
 bool [B, nodes at level + 1] (the last level's "nodes" are catalog rows), built from the
-requests' SID masks by OR-ing them up the trie. At selection, a row's children that its request
+requests' SID masks by OR-ing them up the trie. SIDs are sorted, so each trie node's rows are
+one contiguous run: a node is allowed when the running count of allowed rows grows across its
+run (a cumulative sum and a gather, no atomics: an atomic max over a million rows into 8,192
+first-level nodes serializes on the hot words). At selection, a row's children that its request
 does not allow get log-prob -inf before top-k, exactly as the trie's own invalid children do.
 """
 
@@ -84,17 +87,16 @@ class CatalogIndex:
         self.occ_item = np.asarray(occ_item, dtype=np.int64)  # [occurrences]
         self.occ_row = np.asarray(occ_row, dtype=np.int64)
         self.ancestors = prefix_nodes(catalog.codes)
+        self.node_ends = [last_rows(a) for a in self.ancestors[:-1]]
         self._values: dict[str, dict[AttrValue, list[int]]] = {}
-        self._device_ancestors: dict[torch.device, list[torch.Tensor]] = {}
+        self._device_ends: dict[torch.device, list[torch.Tensor]] = {}
 
-    def ancestors_on(self, device: torch.device) -> list[torch.Tensor]:
-        """`ancestors` of the inner levels on `device`, uploaded once per catalog (call it on
-        the engine thread)."""
-        if device not in self._device_ancestors:
-            self._device_ancestors[device] = [
-                torch.from_numpy(a).to(device) for a in self.ancestors[:-1]
-            ]
-        return self._device_ancestors[device]
+    def node_ends_on(self, device: torch.device) -> list[torch.Tensor]:
+        """`node_ends` (the last catalog row of each inner-level trie node) on `device`,
+        uploaded once per catalog (call it on the engine thread)."""
+        if device not in self._device_ends:
+            self._device_ends[device] = [torch.from_numpy(e).to(device) for e in self.node_ends]
+        return self._device_ends[device]
 
     def create_filter(
         self,
@@ -181,6 +183,12 @@ def unpack_bits(bits: torch.Tensor, num: int) -> torch.Tensor:
     return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :num]
 
 
+def last_rows(nodes: np.ndarray) -> np.ndarray:
+    """For `prefix_nodes`' nondecreasing node ids of one level (0, 0, 1, 1, 1, 2, ...): the last
+    row of each node, int64 [num_nodes]."""
+    return np.flatnonzero(np.append(nodes[1:] != nodes[:-1], True)).astype(np.int64)
+
+
 def prefix_nodes(codes: np.ndarray) -> list[np.ndarray]:
     """For sorted, unique SIDs [N, depth]: out[d][i] = trie node id of row i's prefix of length
     d + 1, at level d + 1 (numbered as `build_trie` numbers them); the last entry is the row."""
@@ -230,14 +238,15 @@ class FilterMasks:
             packed = np.stack([f.packed_sids if f is not None else everything for f in filters])
             bits = torch.from_numpy(packed).to(device, non_blocking=True)
             leaves_u8 = unpack_bits(bits, num)
+        # allowed rows up to and including each row; a node's count is its run's last entry
+        running = leaves_u8.cumsum(1, dtype=torch.int32)
         levels = []
-        for d, parent in enumerate(index.ancestors_on(device)):  # level d's children: d + 1
-            mask = torch.zeros(
-                len(filters), trie.num_nodes(d + 1), dtype=torch.uint8, device=device
-            )
-            mask.scatter_reduce_(1, parent.expand(len(filters), -1), leaves_u8, reduce="amax")
-            levels.append(mask.view(torch.bool))  # 0/1 bytes: a reinterpretation, no copy
-        levels.append(leaves_u8.view(torch.bool))
+        for d, ends in enumerate(index.node_ends_on(device)):  # level d's children: d + 1
+            assert ends.numel() == trie.num_nodes(d + 1), (d, ends.numel(), trie.num_nodes(d + 1))
+            upto = running[:, ends]  # [B, nodes]: allowed rows up to each node's last row
+            before = torch.nn.functional.pad(upto[:, :-1], (1, 0))  # ... up to the node before
+            levels.append(upto > before)
+        levels.append(leaves_u8.view(torch.bool))  # 0/1 bytes: a reinterpretation, no copy
         return cls(levels)
 
     def select(self, keep: torch.Tensor) -> FilterMasks:

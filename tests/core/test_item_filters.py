@@ -17,7 +17,7 @@ from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
-from flashrec_core.search.filters import FilterError, unpack_bits
+from flashrec_core.search.filters import FilterError, FilterMasks, unpack_bits
 from flashrec_core.testing.beam_conformance import ATOL_SAME_ENGINE
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import (
@@ -228,6 +228,27 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         masks = rng.random((3, num)) < 0.3
         packed = torch.from_numpy(np.stack([np.packbits(m) for m in masks]))
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
+
+
+def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup) -> None:
+    """Each inner level's mask, built from running counts over contiguous runs, equals the
+    brute-force rule: a prefix is open when some allowed SID starts with it."""
+    engine = setup[0]["level"]
+    catalog, trie = engine.catalog, engine.catalogs.get().host_trie
+    rng = random.Random(5)
+    filters = [None, *(engine.create_filter(**_random_filter(engine, rng)) for _ in range(5))]
+    masks = FilterMasks.create(filters, engine.catalog_index, trie, torch.device("cpu"))
+    for b, f in enumerate(filters):
+        allowed = catalog.codes if f is None else catalog.codes[f.sid_mask]
+        for d, level in enumerate(masks.levels[:-1]):
+            nodes = engine.catalog_index.ancestors[d]
+            prefixes = {tuple(c[: d + 1]) for c in catalog.codes.tolist()}
+            assert level.shape[1] == len(prefixes) == nodes.max() + 1
+            open_ = {tuple(c[: d + 1]) for c in allowed.tolist()}
+            for row, code in enumerate(catalog.codes.tolist()):
+                assert bool(level[b, nodes[row]]) == (tuple(code[: d + 1]) in open_), (b, d, row)
+        assert np.array_equal(masks.levels[-1][b].numpy(), np.ones(len(catalog), bool)
+                              if f is None else f.sid_mask)  # fmt: skip
 
 
 def test_requests_without_a_catalog_version_follow_a_reload_of_default(setup, tmp_path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,22 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+SLOW_PHASE_S = 5.0
+"""With FLASHREC_INSTANT_FAILURES=1, a test phase longer than this is reported as it ends."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """FLASHREC_INSTANT_FAILURES=1 (the GPU runs): print each failure, and each phase slower
+    than SLOW_PHASE_S, as it happens: a device run is cut off by a time limit before pytest's
+    summary (and its --durations table) would print."""
+    if os.environ.get("FLASHREC_INSTANT_FAILURES") != "1":
+        return
+    if report.failed:
+        print(f"\n!!! {report.nodeid} ({report.when})\n{report.longreprtext[-2500:]}", flush=True)
+    if report.duration > SLOW_PHASE_S:
+        print(f"\nSLOW {report.nodeid} ({report.when}) {report.duration:.1f} s", flush=True)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

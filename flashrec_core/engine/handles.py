@@ -18,6 +18,16 @@ class RequestRejectedError(ValueError):
         self.param = param
 
 
+class DeviceMemoryError(RuntimeError):
+    """The device ran out of memory for a request's activations (the KV pool itself is checked
+    by `EngineLoop.check`). `retry`: it ran out beside other requests and may fit later; else it
+    failed alone, so it cannot fit on this engine as configured (`param` names the field)."""
+
+    def __init__(self, message: str, param: str | None, retry: bool) -> None:
+        super().__init__(message)
+        self.param, self.retry = param, retry
+
+
 class QueueFullError(RuntimeError):
     """The bounded queue is full; retry later."""
 

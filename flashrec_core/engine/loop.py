@@ -34,8 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from flashrec_core.engine.beam_wave import BeamWave, WaveState
 from flashrec_core.engine.handles import (
+    DeviceMemoryError,
     EngineStoppedError,
     Limits,
     LoopStats,
@@ -272,6 +275,10 @@ class EngineLoop:
         except OutOfSlotsError as exc:
             self._requeue(handles, exc)
             return
+        except torch.OutOfMemoryError:  # activations: like a KV shortfall, a smaller wave may fit
+            _release_cached_blocks()
+            self._requeue(handles, _too_big_alone(handles[0].request))
+            return
         except Exception as exc:  # a bug or device error: fail these requests, keep serving
             logger.exception("prefill of %d requests failed", len(handles))
             for h in handles:
@@ -312,9 +319,12 @@ class EngineLoop:
             self._queue = rest
             return taken
 
-    def _requeue(self, handles: list[RequestHandle], exc: OutOfSlotsError) -> None:
-        """The pool cannot hold this wave now. With other waves in flight, wait for them;
-        alone, retry with half as many requests; a single request alone cannot ever fit."""
+    def _requeue(
+        self, handles: list[RequestHandle], exc: OutOfSlotsError | DeviceMemoryError
+    ) -> None:
+        """The pool (or the device's free memory) cannot hold this wave now. With other waves
+        in flight, wait for them; alone, retry with half as many requests; a single request
+        alone cannot ever fit: it fails with `exc`."""
         if not self._waves and len(handles) == 1:
             handles[0].future.set_exception(exc)
             return
@@ -326,15 +336,29 @@ class EngineLoop:
     def _advance(self, wave: _Wave) -> None:
         try:
             self.wave.advance(wave.state)
+        except torch.OutOfMemoryError:
+            _release_cached_blocks()
+            rows = sum(h.request.n for h in wave.handles)
+            self._fail_wave(wave, DeviceMemoryError(
+                f"the device ran out of memory in a beam step of {len(wave.handles)} requests "
+                f"({rows} beam rows) beside {len(self._waves) - 1} other waves; retry, or "
+                "lower --max-wave-rows or --mem-fraction to leave room for activations",
+                None, retry=True,
+            ))  # fmt: skip
+            return
         except Exception as exc:
             logger.exception("a beam step of %d requests failed", len(wave.handles))
-            self._waves.remove(wave)
-            self.wave.release(wave.state, False)
-            for h in wave.handles:
-                h.future.set_exception(exc)
+            self._fail_wave(wave, exc)
             return
         if wave.state.level >= self.wave.depth:
             self._finish(wave)
+
+    def _fail_wave(self, wave: _Wave, exc: Exception) -> None:
+        """Take a wave out of flight, hand its KV back, fail its requests with `exc`."""
+        self._waves.remove(wave)
+        self.wave.release(wave.state, False)
+        for h in wave.handles:
+            h.future.set_exception(exc)
 
     def _finish(self, wave: _Wave) -> None:
         self._waves.remove(wave)
@@ -362,6 +386,24 @@ class EngineLoop:
                 decode_s=end - (h.prefilled_at or end),
             )
             h.future.set_result(replace(result, timings=timings))
+
+
+def _too_big_alone(request: GenerationRequest) -> DeviceMemoryError:
+    """The error of a request whose prefill ran out of device memory with nothing else in
+    flight (the loop raises it only then; beside other waves it waits and retries)."""
+    return DeviceMemoryError(
+        f"the request (a {len(request.prompt_ids)}-token prompt, n={request.n}) ran out of "
+        "device memory for its activations with nothing else running; lower n or the prompt, "
+        "or give activations more room (a lower --mem-fraction or --kv-cache-tokens)",
+        "n", retry=False,
+    )  # fmt: skip
+
+
+def _release_cached_blocks() -> None:
+    """After an out-of-memory error: hand the allocator's cached blocks back, so the retry (or
+    the next wave) starts from unfragmented free memory."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _profiled(run: Callable[[], None], path: Path) -> None:

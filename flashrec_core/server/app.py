@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.handles import (
+    DeviceMemoryError,
     EngineStoppedError,
     QueueFullError,
     RequestCancelledError,
@@ -313,6 +314,12 @@ async def _run_requests(
         raise APIError(504, f"{exc}; raise `timeout` or retry", "timeout", "timeout") from None
     except RequestCancelledError as exc:
         raise APIError(503, str(exc), None, "cancelled", {"Retry-After": "5"}) from None
+    except DeviceMemoryError as exc:
+        _cancel(engine, handles, "a sibling prompt ran out of device memory")
+        if exc.retry:
+            raise APIError(503, str(exc), None, "device_out_of_memory",
+                           {"Retry-After": "1"}) from None  # fmt: skip
+        raise APIError(400, str(exc), exc.param, "request_too_large") from None
 
 
 class ClientGone(APIError):

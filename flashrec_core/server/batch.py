@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.handles import DeviceMemoryError
 from flashrec_core.engine.loop import wait_done
 from flashrec_core.server import responses
 from flashrec_core.server.errors import APIError, field_path
@@ -152,6 +153,8 @@ def _finish(line: _Line, model: str) -> dict[str, Any]:
     if line.error is None:
         try:
             results = [h.future.result() for h in line.handles or ()]
+        except DeviceMemoryError as exc:  # offline: no later retry, the line cannot fit
+            line.error = APIError(400, f"line {line.number}: {exc}", exc.param, "request_too_large")
         except Exception as exc:  # the engine failed this request: an error line, go on
             line.error = APIError(500, f"line {line.number}: {exc}")
         else:

@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.handles import (
+    DeviceMemoryError,
     EngineStoppedError,
     QueueFullError,
     RequestCancelledError,
@@ -117,6 +119,84 @@ def test_bounded_queue_and_rejected_requests(engine: Engine) -> None:
     with pytest.raises(RequestRejectedError, match="beam-row budget") as info:
         loop.submit(engine.make_request(prompt="w1", n=65))
     assert info.value.param == "n"
+    assert_idle(engine)
+
+
+def _prefill_runs_out_of_memory_over(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, most: int
+) -> list[int]:
+    """The device's allocator refuses the activations of a prefill of more than `most`
+    requests (what torch raises when a wave is too big for the memory the KV pool left);
+    returns the sizes of the prefills that ran."""
+    wave, ran = engine.wave, []
+    real = wave._prefill
+
+    def prefill(state) -> None:
+        if len(state.requests) > most:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (a prefill of {len(state.requests)})")
+        ran.append(len(state.requests))
+        real(state)
+
+    monkeypatch.setattr(wave, "_prefill", prefill)
+    return ran
+
+
+def test_a_wave_out_of_device_memory_is_split_and_answers_as_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = engine.loop
+    requests = [engine.make_request(prompt=f"w{i} w{i + 3} w9", n=4) for i in range(6)]
+    want = [engine.generate([r])[0] for r in requests]
+    ran = _prefill_runs_out_of_memory_over(engine, monkeypatch, 2)
+    handles = [loop.submit(r) for r in requests]
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    assert ran and max(ran) <= 2 and sum(ran) == 6, ran
+    for h, alone in zip(handles, want):
+        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_a_request_out_of_device_memory_alone_fails_with_what_to_change(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = engine.loop
+    _prefill_runs_out_of_memory_over(engine, monkeypatch, 0)
+    request = engine.make_request(prompt="w1 w2 w3", n=4)
+    handle = loop.submit(request)
+    while not handle.future.done():
+        loop.run_once()
+    named = rf"{len(request.prompt_ids)}-token prompt, n=4\).*lower n"
+    with pytest.raises(DeviceMemoryError, match=named) as info:
+        handle.future.result(timeout=0)
+    assert (info.value.param, info.value.retry) == ("n", False)
+    monkeypatch.undo()
+    [result] = engine.generate([engine.make_request(prompt="w1 w2 w3", n=4)])
+    assert len(result.choices) == 4, "the engine keeps serving"
+    assert_idle(engine)
+
+
+def test_a_beam_step_out_of_device_memory_fails_its_wave_only(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = engine.loop
+    wave, real = engine.wave, engine.wave.advance
+    first = loop.submit(engine.make_request(prompt="w1 w2", n=8))
+    loop.run_once()  # first is in flight at level 1
+
+    def advance(state) -> None:
+        if len(state.requests) == 1 and state.requests[0] is first.request:
+            raise torch.OutOfMemoryError("CUDA out of memory (a beam step)")
+        real(state)
+
+    monkeypatch.setattr(wave, "advance", advance)
+    second = loop.submit(engine.make_request(prompt="w4 w5", n=4))
+    while not (first.future.done() and second.future.done()):
+        loop.run_once()
+    with pytest.raises(DeviceMemoryError, match="beam step of 1 requests") as info:
+        first.future.result(timeout=0)
+    assert info.value.retry, "beside other waves: may fit later (the server says 503)"
+    assert len(second.future.result(timeout=0).choices) == 4
     assert_idle(engine)
 
 

@@ -166,7 +166,7 @@ def gpu_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
     """A tiny example config at head_dim 64 for the GPU tier: FlashInfer compiles kernels for head
     dims 64, 128 and 256 (the CPU tier's head_dim 16 suits the torch backend only). A partial
     rotary factor is moved to the nearest one that rotates an even number of dims at head_dim 64
-    (0.4 of 64 is 25.6, which no rotate-half RoPE can use; published Phi-2 rotates 0.4 of 80 = 32)."""
+    (0.4 of 64 is 25.6, which no rotate-half RoPE can use; a published head_dim of 80 gives 32)."""
     shaped = {**hf_config, "hidden_size": 256, "num_attention_heads": 4,
               "head_dim": GPU_HEAD_DIM, "intermediate_size": 512}  # fmt: skip
     if shaped.get("partial_rotary_factor") is not None:

@@ -81,6 +81,8 @@ class EngineLoop:
         self._accepting = True
         self._exit = False
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
+        self.intra_op_threads: int | None = None
+        """torch intra-op (CPU) threads of the loop thread (`start`); None: torch's default."""
         self._hit_tokens = 0
         self._invalid = 0
         self._iterations = 0
@@ -200,6 +202,8 @@ class EngineLoop:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
+        if self.intra_op_threads is not None:  # a per-thread OpenMP setting: set it here
+            torch.set_num_threads(self.intra_op_threads)
         while True:
             with self._cv:
                 while self.idle and not self._exit:

@@ -20,13 +20,22 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(settings: ServerSettings) -> int:
+    import torch
     import uvicorn
 
     from flashrec_core.engine.engine import Engine
     from flashrec_core.server.app import create_app
 
+    # Every torch CPU op of a serving process runs on the engine thread; the intra-op threads go
+    # there (EngineLoop.start). A second OpenMP team, made by loading with all threads on this
+    # thread, leaves libgomp with more threads than cores: it then stops spin-waiting between
+    # parallel regions, and every CPU op pays a wake-up (a CPU request took 28 ms instead of
+    # 18 ms on 2 cores; docs/serving.md).
+    engine_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     logger.info("loading %s", settings.engine.model_path)
     engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
+    engine.loop.intra_op_threads = engine_threads
     for name, path in settings.catalogs.items():
         number = engine.add_catalog(name, path)[0].version  # keep no reference: it may be swapped
         logger.info("catalog %s: %s (version %d)", name, path, number)

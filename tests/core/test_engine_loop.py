@@ -257,3 +257,28 @@ def test_background_thread_serves_and_stops(checkpoint: Path) -> None:
     assert not loop.running
     with pytest.raises(EngineStoppedError):
         loop.submit(engine.make_request(prompt="w1", n=2))
+
+
+def test_the_loop_thread_takes_the_intra_op_threads_it_is_given(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flashrec serve` loads with one intra-op thread and hands the machine's to the engine
+    thread (a per-thread OpenMP setting, so the loop thread must set it itself)."""
+    engine = make_engine(checkpoint)
+    loop, seen = engine.loop, []
+    real = loop.run_once
+
+    def run_once() -> None:
+        seen.append(torch.get_num_threads())
+        real()
+
+    monkeypatch.setattr(loop, "run_once", run_once)
+    wanted = 1 if torch.get_num_threads() > 1 else 2
+    loop.intra_op_threads = wanted
+    loop.start()
+    try:
+        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
+        assert len(result.choices) == 4
+    finally:
+        loop.stop(grace_s=5)
+    assert seen and set(seen) == {wanted}, seen

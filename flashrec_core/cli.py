@@ -510,7 +510,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
             filter_categories=args.filter_categories,
         )  # fmt: skip
     else:
-        from flashrec_core.bench.load import run_server_bench
+        from flashrec_core.bench.load import run_server_bench, server_floor
 
         if not args.model_dir:
             raise ValueError("--server needs --model-dir (the checkpoint it serves)")
@@ -523,8 +523,9 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
             return [list(r.prompt_ids) for r in reqs]
 
         rates = [float(x) for x in args.rates.split(",")]
+        floor = server_floor(args.server, args.api_key, Path(args.model_dir), args.n, level_sizes)
         result = run_server_bench(
-            args.server, prompts, args.n, rates, args.concurrency, args.api_key
+            args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor
         )
     print(json.dumps(result, indent=2))
     if args.out:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashrec_core.bench.roofline import measure_peaks, wave_cost
+from flashrec_core.bench.roofline import floor_seconds, measure_peaks, served_model
 from flashrec_core.bench.workload import RequestSpec, random_catalog, synthetic_requests
 from flashrec_core.engine.requests import GenerationRequest
 
@@ -87,7 +87,6 @@ def bench_engine(
     (built before the clock starts, as a server builds it before submitting)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
-    from flashrec_core.engine.scheduler import plan_waves
 
     cfg = EngineConfig(model_path=str(model_dir), show_progress=False)
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
@@ -119,13 +118,7 @@ def bench_engine(
                                single_runs)  # fmt: skip
     runner = engine.runner
     ecfg = runner.loaded.engine_config
-    waves = plan_waves(requests, depth=len(level_sizes), max_rows=ecfg.max_wave_rows,
-                       max_requests=ecfg.max_requests, kv_slots=runner.allocator.num_slots - 1)  # fmt: skip
-    floor = (
-        _floor_seconds(engine, [[requests[i] for i in w] for w in waves], level_sizes)
-        if cuda
-        else float("nan")
-    )
+    floor = _floor_seconds(engine, requests, level_sizes) if cuda else float("nan")
     graphs = engine.wave.graphs
     return {
         "path": "Engine.generate",
@@ -202,18 +195,10 @@ def _single_latencies(engine: Any, spec: RequestSpec, seed: int, runs: int) -> l
 
 
 def _floor_seconds(
-    engine: Any, waves: list[list[GenerationRequest]], level_sizes: tuple[int, ...]
+    engine: Any, requests: list[GenerationRequest], level_sizes: tuple[int, ...]
 ) -> float:
-    """The roofline floor of the same waves, as the synthetic bench computes it."""
-    runner = engine.runner
-    fp8 = runner.loaded.engine_config.quantization == "fp8"
-    peaks = measure_peaks(fp8, runner.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    weight_bytes -= runner.lm_head().numel() * runner.lm_head().element_size()
-    kv_bytes = runner.kv_pool.dtype.itemsize
-    cascade = runner.loaded.engine_config.cascade_attention
-    return sum(
-        wave_cost(runner.config, peaks, [len(r.prompt_ids) for r in w], [r.n for r in w],
-                  level_sizes, weight_bytes, kv_bytes, cascade).floor_seconds
-        for w in waves
-    )  # fmt: skip
+    """The roofline floor of the same requests, as the synthetic bench computes it."""
+    served = served_model(engine)
+    peaks = measure_peaks(served.fp8, engine.runner.device)
+    shapes = [(len(r.prompt_ids), r.n) for r in requests]
+    return floor_seconds(engine.runner.config, served, peaks, shapes, level_sizes)

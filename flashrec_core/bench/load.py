@@ -10,8 +10,10 @@ server tokenizes nothing; latencies are client wall-clock (HTTP, JSON and queuei
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -155,10 +157,13 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
 def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
+    floor: Callable[[list[list[int]]], float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
     saturation throughput when a rate is <= 1.5, else requests/s). `prompts(run)` gives each run
-    fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache."""
+    fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache.
+    `floor(prompts)`: the roofline floor in seconds of those prompts at this n (`server_floor`),
+    which puts the saturation run's share of it in the result."""
     result: dict[str, Any] = {"path": "server", "n": n}
     result.update(asyncio.run(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key)))
     before, start = _engine_totals(url, api_key), time.perf_counter()
@@ -166,6 +171,10 @@ def run_server_bench(
         closed_loop(url, completion_bodies(prompts(1), n), saturation_concurrency, api_key)
     )
     sat["engine"] = _engine_view(before, _engine_totals(url, api_key), time.perf_counter() - start)
+    if floor is not None:
+        sent = prompts(1)
+        sat["roofline_requests_per_s"] = len(sent) / floor(sent)
+        sat["percent_of_roofline"] = 100 * sat["throughput_rps"] / sat["roofline_requests_per_s"]
     result["saturation"] = sat
     result["open_loop"] = []
     for i, rate in enumerate(rates):
@@ -178,3 +187,39 @@ def run_server_bench(
         )
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
     return result
+
+
+def server_floor(
+    url: str, api_key: str | None, model_dir: Path, n: int, level_sizes: tuple[int, ...]
+) -> Callable[[list[list[int]]], float] | None:
+    """The roofline floor of prompts at width n on the served model: its shape from the
+    checkpoint's config.json, what it serves with (FP8, cascade, budgets) from the model card,
+    the peaks measured on this machine's GPU (the server's, when the load runs beside it).
+    None without a GPU here: there is no peak to measure."""
+    import json
+
+    import torch
+
+    from flashrec_core.bench.roofline import ServedModel, floor_seconds, measure_peaks
+    from flashrec_core.registry import Registry
+
+    if not torch.cuda.is_available():
+        return None
+    hf = json.loads((model_dir / "config.json").read_text())
+    cfg = Registry.discover().resolve(hf["architectures"][0]).parse_config(hf)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    card = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]
+    served = ServedModel(**card["flashrec"]["roofline"])
+    try:  # beside a server whose KV pool took most of the card: a 1 GiB copy, not 4
+        peaks = measure_peaks(served.fp8, torch.device("cuda"), copy_gib=1)
+    except torch.OutOfMemoryError:
+        print("no GPU memory left beside the server to measure peaks: no roofline figures",
+              file=sys.stderr)  # fmt: skip
+        return None
+    finally:
+        torch.cuda.empty_cache()  # hand the buffers back before the load starts
+
+    def floor(prompts: list[list[int]]) -> float:
+        return floor_seconds(cfg, served, peaks, [(len(p), n) for p in prompts], level_sizes)
+
+    return floor

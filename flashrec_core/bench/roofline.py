@@ -6,7 +6,8 @@ can beat it. measured / floor says how close the engine runs to the hardware.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -19,9 +20,10 @@ class Peaks:
     copy_bytes: float  # bytes/s counting read + write
 
 
-def measure_peaks(fp8: bool, device: torch.device) -> Peaks:
-    """8192^3 GEMM (FP8 row-wise `_scaled_mm` or BF16) and a 4 GiB device copy, timed with
-    triton.testing.do_bench (CUDA events)."""
+def measure_peaks(fp8: bool, device: torch.device, copy_gib: int = 4) -> Peaks:
+    """8192^3 GEMM (FP8 row-wise `_scaled_mm` or BF16) and a `copy_gib` GiB device copy, timed
+    with triton.testing.do_bench (CUDA events). Any copy far over the L2 cache (50 MB on an
+    H200) measures the same DRAM bandwidth; 4 GiB is the bench's, less fits beside a server."""
     from triton.testing import do_bench
 
     m = 8192
@@ -36,7 +38,7 @@ def measure_peaks(fp8: bool, device: torch.device) -> Peaks:
         )
     else:
         ms = do_bench(lambda: a @ b)
-    src = torch.empty(1 << 31, dtype=torch.int16, device=device)
+    src = torch.empty(copy_gib << 29, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src))
     return Peaks(2 * m**3 / (ms * 1e-3), 2 * src.numel() * 2 / (copy_ms * 1e-3))
@@ -87,3 +89,61 @@ def wave_cost(
         flops, bytes_ = flops + f, bytes_ + b
         floor += max(f / peaks.gemm_flops, b / peaks.copy_bytes)
     return WaveCost(flops, bytes_, floor)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the floor of a served model depends on beyond its shape: the bytes a forward reads
+    for weights (the LM head excluded: the restricted head reads only the SID rows), the KV
+    element size, whether beam steps read each prompt once (cascade), and the scheduler's
+    budgets that pack requests into waves. `Engine.roofline_inputs` gives it; the server's
+    model card carries it for `flashrec bench --server`."""
+
+    weight_bytes: float
+    kv_bytes: float
+    cascade: bool
+    fp8: bool
+    max_wave_rows: int
+    max_requests: int
+    kv_slots: int
+
+
+def floor_seconds(
+    cfg: ModelConfig,
+    served: ServedModel,
+    peaks: Peaks,
+    requests: list[tuple[int, int]],
+    level_sizes: tuple[int, ...],
+) -> float:
+    """The roofline floor of (prompt length, n) requests, packed into waves in order as the
+    offline engine packs them (the same floor for every path that serves them)."""
+    from flashrec_core.engine.requests import GenerationRequest
+    from flashrec_core.engine.scheduler import plan_waves
+
+    reqs = [GenerationRequest(tuple(range(p)), n) for p, n in requests]
+    waves = plan_waves(reqs, depth=len(level_sizes), max_rows=served.max_wave_rows,
+                       max_requests=served.max_requests, kv_slots=served.kv_slots)  # fmt: skip
+    return sum(
+        wave_cost(cfg, peaks, [requests[i][0] for i in w], [requests[i][1] for i in w],
+                  level_sizes, served.weight_bytes, served.kv_bytes, served.cascade).floor_seconds
+        for w in waves
+    )  # fmt: skip
+
+
+def served_model(engine: Any) -> ServedModel:
+    """The ServedModel of a loaded `Engine`."""
+    runner = engine.runner
+    cfg = runner.loaded.engine_config
+    head = runner.lm_head()
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return ServedModel(
+        weight_bytes=weights - head.numel() * head.element_size(),
+        kv_bytes=runner.kv_pool.dtype.itemsize, cascade=cfg.cascade_attention,
+        fp8=cfg.quantization == "fp8", max_wave_rows=cfg.max_wave_rows,
+        max_requests=cfg.max_requests, kv_slots=runner.allocator.num_slots - 1,
+    )  # fmt: skip
+
+
+def served_model_card(engine: Any) -> dict[str, Any]:
+    """`served_model` as the JSON object of the server's model card (`flashrec.roofline`)."""
+    return asdict(served_model(engine))

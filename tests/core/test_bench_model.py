@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashrec_core.bench.roofline import Peaks, wave_cost
+from flashrec_core.bench.roofline import Peaks, ServedModel, floor_seconds, wave_cost
 from flashrec_core.bench.workload import (
     RequestSpec,
     load_shape,
@@ -49,6 +49,22 @@ def test_cascade_reads_each_prompt_once_per_request() -> None:
     # 2 decode steps, each reading 4 prompts x 1024 tokens x 63 extra beams less with cascade
     assert flat.bytes - cascade.bytes == pytest.approx(2 * 4 * 1024 * 63 * kv_per_token)
     assert cascade.floor_seconds < flat.floor_seconds
+
+
+def test_the_floor_of_requests_packs_them_into_waves_like_the_engine() -> None:
+    """Every path's floor (Engine.generate, the server) packs the same requests the same way:
+    over the row budget they become several waves, each reading the weights again."""
+    cfg, levels = _config(), (8192, 8192, 8192)
+    requests = [(16, 32)] * 8  # 256 beam rows, short prompts: every forward is weight-bound
+    served = ServedModel(weight_bytes=1.7e9, kv_bytes=1, cascade=True, fp8=True,
+                         max_wave_rows=128, max_requests=1024, kv_slots=1 << 20)  # fmt: skip
+    split = floor_seconds(cfg, served, PEAKS, requests, levels)
+    half = wave_cost(cfg, PEAKS, [16] * 4, [32] * 4, levels, 1.7e9, 1, True).floor_seconds
+    assert split == pytest.approx(2 * half)
+    one = floor_seconds(cfg, ServedModel(**{**served.__dict__, "max_wave_rows": 256}), PEAKS,
+                        requests, levels)  # fmt: skip
+    whole = wave_cost(cfg, PEAKS, [16] * 8, [32] * 8, levels, 1.7e9, 1, True).floor_seconds
+    assert one == pytest.approx(whole) and one < split
 
 
 def test_synthetic_catalog_and_requests() -> None:

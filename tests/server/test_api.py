@@ -110,6 +110,11 @@ def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]
         assert name in metrics, name  # fmt: skip
     assert metrics["flashrec_invalid_results_total"] == 0
     assert any(k.startswith("flashrec_request_stage_seconds_bucket") for k in metrics)
+    # what `flashrec bench --server` needs for the roofline floor: the served model's budgets
+    roofline = card.model_extra["flashrec"]["roofline"]
+    assert roofline["kv_slots"] == metrics["flashrec_kv_slots_total"]
+    assert roofline["max_wave_rows"] == card.model_extra["flashrec"]["max_beam_rows"]
+    assert roofline["weight_bytes"] > 0 and roofline["kv_bytes"] in (1, 2, 4)
 
 
 def test_request_id_is_echoed(server: ServerProcess, auth: dict[str, str]) -> None:

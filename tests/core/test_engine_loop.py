@@ -58,6 +58,14 @@ def ranking(result) -> list[tuple[tuple[int, ...], float]]:
     return [(c.codes, c.logprob) for c in result.choices]
 
 
+def finish_and_compare(loop, handles, references) -> None:
+    """Drive the loop until every handle is done; each answer must rank like its reference."""
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    for h, ref in zip(handles, references):
+        assert_same_ranking(ranking(h.future.result()), ranking(ref), ATOL_SAME_ENGINE)
+
+
 def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
     loop = engine.loop
     first = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
@@ -149,11 +157,8 @@ def test_a_wave_out_of_device_memory_is_split_and_answers_as_alone(
     want = [engine.generate([r])[0] for r in requests]
     ran = _prefill_runs_out_of_memory_over(engine, monkeypatch, 2)
     handles = [loop.submit(r) for r in requests]
-    while not all(h.future.done() for h in handles):
-        loop.run_once()
+    finish_and_compare(loop, handles, want)
     assert ran and max(ran) <= 2 and sum(ran) == 6, ran
-    for h, alone in zip(handles, want):
-        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
     assert_idle(engine)
 
 
@@ -215,10 +220,7 @@ def test_waves_group_one_width_and_keep_arrival_order(engine: Engine) -> None:
     assert after.requests_admitted - before.requests_admitted == 3
     assert after.busy_seconds > before.busy_seconds
     results = engine.generate([h.request for h in handles])  # the same requests, offline
-    while not all(h.future.done() for h in handles):
-        loop.run_once()
-    for h, offline in zip(handles, results):
-        assert_same_ranking(ranking(h.future.result()), ranking(offline), ATOL_SAME_ENGINE)
+    finish_and_compare(loop, handles, results)
     assert_idle(engine)
 
 
@@ -245,25 +247,12 @@ def test_a_failing_iteration_fails_its_requests_and_the_thread_keeps_serving(
     assert_idle(engine)
 
 
-def test_background_thread_serves_and_stops(checkpoint: Path) -> None:
-    engine = make_engine(checkpoint)
-    loop = engine.loop
-    loop.start()
-    try:
-        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
-        assert len(result.choices) == 4
-    finally:
-        loop.stop(grace_s=5)
-    assert not loop.running
-    with pytest.raises(EngineStoppedError):
-        loop.submit(engine.make_request(prompt="w1", n=2))
-
-
-def test_the_loop_thread_takes_the_intra_op_threads_it_is_given(
+def test_background_thread_serves_and_stops(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`flashrec serve` loads with one intra-op thread and hands the machine's to the engine
-    thread (a per-thread OpenMP setting, so the loop thread must set it itself)."""
+    """The loop thread serves with the intra-op threads it is given (`flashrec serve` loads with
+    one and hands the machine's to the engine thread: a per-thread OpenMP setting, so the loop
+    thread sets it itself), then stops and admits nothing more."""
     engine = make_engine(checkpoint)
     loop, seen = engine.loop, []
     real = loop.run_once
@@ -282,3 +271,6 @@ def test_the_loop_thread_takes_the_intra_op_threads_it_is_given(
     finally:
         loop.stop(grace_s=5)
     assert seen and set(seen) == {wanted}, seen
+    assert not loop.running
+    with pytest.raises(EngineStoppedError):
+        loop.submit(engine.make_request(prompt="w1", n=2))

@@ -220,6 +220,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, help="seconds to drain on SIGTERM (default 30)")
     p.add_argument("--warmup-n", help="beam widths to warm up before /ready (default 10)")
     p.add_argument(
+        "--admission-delay-factor", type=float,
+        help="while waves run, admit a new one only after FACTOR x the last prefill's time "
+        "since the last admission, so waves grow under load (default 0: every step)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile-engine", metavar="FILE",
         help="cProfile the engine thread; the stats are written to FILE at shutdown",
     )  # fmt: skip
@@ -255,7 +260,7 @@ _SERVER_FLAGS = {
     "host": "host", "port": "port", "api_key": "api_key", "served_model_name": "served_model_name",
     "max_queue": "max_queue", "default_n": "default_n", "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
-    "profile_engine": "profile_engine",
+    "profile_engine": "profile_engine", "admission_delay_factor": "admission_delay_factor",
 }  # fmt: skip
 
 

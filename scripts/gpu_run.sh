@@ -109,7 +109,9 @@ for what in "${@:-tests}"; do
         timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
       fi
       [[ $what == e2e-engine ]] && continue
-      flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 \
+      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1" (an A/B of the server)
+      # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
+      flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 ${SERVE_ARGS:-} \
         ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile.txt"} > "$out/serve.log" 2>&1 &
       srv=$!
       for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done

@@ -83,6 +83,11 @@ class EngineLoop:
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
         self.intra_op_threads: int | None = None
         """torch intra-op (CPU) threads of the loop thread (`start`); None: torch's default."""
+        self.admission_delay_factor = 0.0
+        """While waves are in flight, admit only once this many times the last prefill's
+        duration has passed since the last admission (the server's setting; 0: every step)."""
+        self._last_admit_at = 0.0
+        self._last_prefill_s = 0.0
         self._hit_tokens = 0
         self._invalid = 0
         self._iterations = 0
@@ -269,6 +274,9 @@ class EngineLoop:
         return False
 
     def _admit(self, now: float) -> None:
+        wait = self.admission_delay_factor * self._last_prefill_s
+        if self._waves and now - self._last_admit_at < wait:
+            return  # let the queue grow into a larger wave; the waves in flight step meanwhile
         handles = self._take_wave()
         if not handles:
             return
@@ -293,6 +301,7 @@ class EngineLoop:
         self._requests_admitted += len(handles)
         self._hit_tokens += sum(state.cached_lens)
         done = time.monotonic()
+        self._last_admit_at, self._last_prefill_s = now, done - now
         for h in handles:
             h.prefilled_at = done
         wave = _Wave(state, handles)

@@ -36,6 +36,7 @@ def serve(settings: ServerSettings) -> int:
     logger.info("loading %s", settings.engine.model_path)
     engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
     engine.loop.intra_op_threads = engine_threads
+    engine.loop.admission_delay_factor = settings.admission_delay_factor
     for name, path in settings.catalogs.items():
         number = engine.add_catalog(name, path)[0].version  # keep no reference: it may be swapped
         logger.info("catalog %s: %s (version %d)", name, path, number)

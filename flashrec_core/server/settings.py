@@ -52,6 +52,11 @@ class ServerSettings(BaseSettings):
     `search.catalog_path`. Requests pick one with their `catalog` field."""
     warmup_n: tuple[int, ...] = (10,)
     """Beam widths run once before /ready (captures their CUDA graphs on a GPU)."""
+    admission_delay_factor: float = Field(default=0.0, ge=0.0, le=100.0)
+    """While waves are in flight, admit a new wave only once FACTOR x the last prefill's time
+    has passed since the last admission (vLLM's scheduler delay factor): under load fewer,
+    larger waves share each forward's fixed cost, for at most that much more queueing. 0 admits
+    at every step boundary; an idle engine never waits."""
     log_requests: bool = True
     profile_engine: Path | None = None
     """cProfile the engine thread and write the stats (cumulative, text) here at shutdown."""

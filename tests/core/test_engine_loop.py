@@ -82,6 +82,29 @@ def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
     assert_idle(engine)
 
 
+def test_an_admission_delay_lets_the_queue_grow_into_one_wave(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the server's admission delay, requests that arrive while a wave runs wait (within
+    the delay) and then share one wave; an idle engine admits at once."""
+    loop = engine.loop
+    requests = [engine.make_request(prompt=f"w{i} w5", n=4) for i in range(3)]
+    alone = [engine.generate([r])[0] for r in requests]
+    monkeypatch.setattr(loop, "admission_delay_factor", 1e6)  # longer than the test
+    first = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
+    loop.run_once()
+    assert first.admitted_at is not None, "an idle engine never waits"
+    later = [loop.submit(r) for r in requests]
+    before = loop.stats().waves_admitted
+    while not first.future.done():
+        loop.run_once()
+        if not first.future.done():
+            assert all(h.admitted_at is None for h in later), "admitted within the delay"
+    finish_and_compare(loop, later, alone)
+    assert loop.stats().waves_admitted - before == 1, "the three waited into one wave"
+    assert_idle(engine)
+
+
 def test_cancel_mid_wave_frees_that_request_only(engine: Engine) -> None:
     loop = engine.loop
     keep = loop.submit(engine.make_request(prompt="w9 w8 w7", n=8))

@@ -28,6 +28,8 @@ def test_flags_override_env_override_config_file(
     assert s.engine.model_path == "/from/env" and s.engine.device == "cpu"
     assert s.engine.max_wave_rows == 512 and s.search.sid_normalization == "sid"
     assert s.max_queue == 7 and s.warmup_n == (4, 8)
+    monkeypatch.setenv("FLASHREC_ADMISSION_DELAY_FACTOR", "1.5")
+    assert load_settings({}, str(config)).admission_delay_factor == 1.5
     s = load_settings({"port": 9003, "engine": {"model_path": "/from/flag"}}, str(config))
     assert (s.port, s.engine.model_path) == (9003, "/from/flag"), "flags beat everything"
 
@@ -58,6 +60,10 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
             "config file /nonexistent.toml",
         ),
         (("--model-path", "/tmp", "--warmup-n", "4,x"), "comma-separated integers"),
+        (
+            ("--model-path", "/tmp", "--admission-delay-factor", "-1"),
+            "setting admission_delay_factor:",
+        ),  # fmt: skip
     ],
 )
 def test_bad_settings_fail_with_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:

@@ -6,7 +6,7 @@ can beat it. measured / floor says how close the engine runs to the hardware.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -142,8 +142,3 @@ def served_model(engine: Any) -> ServedModel:
         fp8=cfg.quantization == "fp8", max_wave_rows=cfg.max_wave_rows,
         max_requests=cfg.max_requests, kv_slots=runner.allocator.num_slots - 1,
     )  # fmt: skip
-
-
-def served_model_card(engine: Any) -> dict[str, Any]:
-    """`served_model` as the JSON object of the server's model card (`flashrec.roofline`)."""
-    return asdict(served_model(engine))

@@ -223,11 +223,7 @@ class EngineLoop:
 
     def _fail_everything(self, exc: Exception) -> None:
         for wave in list(self._waves):
-            self.wave.release(wave.state, False)
-            for h in wave.handles:
-                if not h.future.done():
-                    h.future.set_exception(exc)
-        self._waves.clear()
+            self._fail_wave(wave, exc)
 
     # -- one iteration --------------------------------------------------------------------
 
@@ -367,14 +363,15 @@ class EngineLoop:
             self._finish(wave)
 
     def _fail_wave(self, wave: _Wave, exc: Exception) -> None:
-        """Take a wave out of flight, hand its KV back, fail its requests with `exc`."""
+        """Take a wave out of flight, hand its KV back, fail its requests with `exc` (those
+        not failed already)."""
         self._waves.remove(wave)
         self.wave.release(wave.state, False)
         for h in wave.handles:
-            h.future.set_exception(exc)
+            if not h.future.done():
+                h.future.set_exception(exc)
 
     def _finish(self, wave: _Wave) -> None:
-        self._waves.remove(wave)
         state = wave.state
         try:
             decoder = state.version.decoder if state.version is not None else self.decoder
@@ -383,10 +380,9 @@ class EngineLoop:
             )
         except Exception as exc:  # a bug: these requests fail, the loop keeps serving
             logger.exception("results of %d requests could not be assembled", len(wave.handles))
-            self.wave.release(state, False)
-            for h in wave.handles:
-                h.future.set_exception(exc)
+            self._fail_wave(wave, exc)
             return
+        self._waves.remove(wave)
         self.wave.release(state, True)
         self._invalid += out.invalid
         if out.invalid:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Path, Request
@@ -28,7 +28,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from flashrec_core.bench.roofline import served_model_card
+from flashrec_core.bench.roofline import served_model
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.handles import (
@@ -362,7 +362,7 @@ def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
             "catalog_sids": len(catalog) if catalog is not None else None,
             "catalog_items": catalog.num_items if catalog is not None else None,
             "max_beam_rows": limits.max_wave_rows,
-            "roofline": served_model_card(engine),
+            "roofline": asdict(served_model(engine)),
         },
     }
 

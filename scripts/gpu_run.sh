@@ -22,26 +22,27 @@ export PYTHONPATH=/tmp/site MAX_JOBS=16 PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_
 # FlashInfer JIT-compiles each kernel variant on first use (10-60 s each) into a cache that dies
 # with the machine. The .so files of a previous run (.ficache/, brought with `carry`) are
 # restored as FlashInfer's AOT kernels, which it loads without compiling; new ones are packed
-# into $OUT/ficache.tgz.* at the end for the next run.
+# into $OUT/ficache.txz.* at the end for the next run.
 aot=/tmp/site/flashinfer/data/aot
-if compgen -G ".ficache/ficache.tgz.*" >/dev/null; then
-  mkdir -p "$aot" && cat .ficache/ficache.tgz.* | tar xzf - -C "$aot" && echo "restored $(ls "$aot" | wc -l) FlashInfer kernels"
+# xz, not gzip: the .so files pack to half the size, and carry is capped at 64 MiB.
+if compgen -G ".ficache/ficache.txz.*" >/dev/null; then
+  mkdir -p "$aot" && cat .ficache/ficache.txz.* | tar xJf - -C "$aot" && echo "restored $(ls "$aot" | wc -l) FlashInfer kernels"
 fi
 # Triton's compiled kernels likewise (the beam kernel and the fused elementwise kernels compile per
-# shape specialization): restored from .ficache/triton.tgz.*, packed into $OUT/triton.tgz.* on exit.
+# shape specialization): restored from .ficache/triton.txz.*, packed into $OUT/triton.txz.* on exit.
 export TRITON_CACHE_DIR=/tmp/tritoncache
 mkdir -p "$TRITON_CACHE_DIR"
-if compgen -G ".ficache/triton.tgz.*" >/dev/null; then
-  cat .ficache/triton.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR" && echo "restored $(ls "$TRITON_CACHE_DIR" | wc -l) Triton kernels"
+if compgen -G ".ficache/triton.txz.*" >/dev/null; then
+  cat .ficache/triton.txz.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "restored $(ls "$TRITON_CACHE_DIR" | wc -l) Triton kernels"
 fi
 pack_kernels() {
-  [[ -n $(ls "$TRITON_CACHE_DIR") ]] && tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$out/triton.tgz."
+  [[ -n $(ls "$TRITON_CACHE_DIR") ]] && tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15m - "$out/triton.txz."
   local tmp; tmp=$(mktemp -d)
   find /tmp/fiws -name '*.so' -path '*cached_ops*' | while read -r f; do
     d="$tmp/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; done
   [[ -d $aot ]] && cp -r --update=none "$aot"/. "$tmp"/
-  [[ -n $(ls "$tmp") ]] && tar czf - -C "$tmp" . | split -b 15m - "$out/ficache.tgz."
-  ls -la "$out"/ficache.tgz.* 2>/dev/null
+  [[ -n $(ls "$tmp") ]] && tar cf - -C "$tmp" . | xz -T0 -6 | split -b 15m - "$out/ficache.txz."
+  ls -la "$out"/ficache.txz.* 2>/dev/null
 }
 trap pack_kernels EXIT
 plugins=(); for p in flashrec_models_*/; do plugins+=(-e "./${p%/}"); done

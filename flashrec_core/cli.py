@@ -113,6 +113,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--rates", default="0.5,0.7,0.9,1.1",
                      help="open-loop rates: fractions of saturation (<= 1.5) or requests/s")  # fmt: skip
     e2e.add_argument("--concurrency", type=int, default=64, help="closed-loop saturation run")
+    e2e.add_argument("--client-processes", type=int, default=None,
+                     help="with --server: client processes sending the load (default: one per "
+                     "32 concurrent requests, at most half the cores)")  # fmt: skip
     e2e.add_argument("--api-key", default=None)
     e2e.add_argument("--exclude-items", type=int, default=0,
                      help="with --engine: each request excludes this many random items")  # fmt: skip
@@ -530,7 +533,8 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         rates = [float(x) for x in args.rates.split(",")]
         floor = server_floor(args.server, args.api_key, Path(args.model_dir), args.n, level_sizes)
         result = run_server_bench(
-            args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor
+            args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor,
+            args.client_processes,
         )
     print(json.dumps(result, indent=2))
     if args.out:

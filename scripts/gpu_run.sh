@@ -128,9 +128,10 @@ for what in "${@:-tests}"; do
       # FILTER_CASES: comma-separated bench flags per run ("" = unfiltered), default all four
       IFS=, read -ra cases <<< "${FILTER_CASES-,--exclude-items 10000,--allow-items 1000,--filter-categories 10}"
       for f in "${cases[@]}"; do
+        tag=$(echo "${f:-none}" | tr -c 'a-z0-9' '_')
         # shellcheck disable=SC2086  # $f is a list of flags
-        timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 $f 2>&1 \
-          | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak|invalid|short"
+        timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 $f --out "$out/filters_$tag.json" \
+          2>&1 | grep -E "requests_per_s|percent|latency|eager|replays|items|categories|peak|invalid|short"
       done ;;
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ensure_checkpoint

@@ -10,9 +10,12 @@ server tokenizes nothing; latencies are client wall-clock (HTTP, JSON and queuei
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,45 +41,45 @@ def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClien
     return httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
 
 
-def _summary(latencies: list[float], codes: list[int], seconds: float) -> dict[str, Any]:
-    ok = [lat for lat, c in zip(latencies, codes) if c == 200]
-    return {
-        "sent": len(codes),
-        "errors": sum(c != 200 for c in codes),
-        "throughput_rps": len(ok) / seconds if seconds > 0 else 0.0,
-        "latency_p50_ms": 1e3 * float(np.percentile(ok, 50)) if ok else None,
-        "latency_p99_ms": 1e3 * float(np.percentile(ok, 99)) if ok else None,
-    }
+@dataclass(frozen=True)
+class _Share:
+    """One client process's part of a run: its bodies, and either how many it keeps in flight
+    (closed loop) or the Poisson rate it sends them at (open loop)."""
+
+    bodies: list[dict[str, Any]]
+    concurrency: int | None = None
+    rate: float | None = None
+    seed: int = 0
 
 
-async def open_loop(
-    url: str, bodies: Sequence[dict[str, Any]], rate: float, api_key: str | None = None,
-    seed: int = 0,
-) -> dict[str, Any]:  # fmt: skip
-    """Send `bodies` at Poisson arrivals of `rate` requests/s."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(bodies))
-    async with _client(url, api_key, connections=len(bodies)) as client:
-        start = time.perf_counter()
-        tasks = []
-        for body, at in zip(bodies, np.cumsum(gaps)):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_post(client, body)))
-        done = await asyncio.gather(*tasks)
-        seconds = time.perf_counter() - start
-    out = _summary([d[0] for d in done], [d[1] for d in done], seconds)
-    return {"offered_rps": rate, **out}
+@dataclass(frozen=True)
+class _Sent:
+    start: float  # time.monotonic(): one clock for every process of the machine
+    end: float
+    latencies: list[float]
+    codes: list[int]
 
 
-async def closed_loop(
-    url: str, bodies: Sequence[dict[str, Any]], concurrency: int, api_key: str | None = None
-) -> dict[str, Any]:
-    """`concurrency` requests always in flight: the server's saturated throughput."""
-    queue = list(bodies)
+async def _send_share(url: str, api_key: str | None, share: _Share) -> _Sent:
     latencies: list[float] = []
     codes: list[int] = []
-    async with _client(url, api_key, connections=concurrency) as client:
+    if share.rate is not None:  # open loop: each request at its arrival, answered or not
+        gaps = np.random.default_rng(share.seed).exponential(1.0 / share.rate, len(share.bodies))
+        async with _client(url, api_key, connections=len(share.bodies)) as client:
+            start = time.monotonic()
+            tasks = []
+            for body, at in zip(share.bodies, np.cumsum(gaps)):
+                delay = start + at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(_post(client, body)))
+            for lat, code in await asyncio.gather(*tasks):
+                latencies.append(lat)
+                codes.append(code)
+            return _Sent(start, time.monotonic(), latencies, codes)
+    queue = list(share.bodies)
+    assert share.concurrency is not None
+    async with _client(url, api_key, connections=share.concurrency) as client:
 
         async def worker() -> None:
             while queue:
@@ -84,24 +87,95 @@ async def closed_loop(
                 latencies.append(lat)
                 codes.append(code)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    return {"concurrency": concurrency, **_summary(latencies, codes, seconds)}
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(share.concurrency)))
+        return _Sent(start, time.monotonic(), latencies, codes)
 
 
-async def unloaded(
+def _client_process(url: str, api_key: str | None, share: _Share, go: Any, out: Any) -> None:
+    go.wait()  # every client process is up and imported: start together
+    out.put(asyncio.run(_send_share(url, api_key, share)))
+
+
+def client_processes(connections: int) -> int:
+    """How many client processes carry `connections` concurrent requests: one per 32, at most
+    half this machine's cores. One httpx client's CPU time per request grows with the requests
+    it has in flight (14 ms at 400 against 2 ms at 16, measured), so a single client process
+    caps a saturation run near 70 req/s whatever the server can do."""
+    return max(1, min((os.cpu_count() or 2) // 2, -(-connections // 32)))
+
+
+def _run_split(url: str, api_key: str | None, shares: list[_Share]) -> _Sent:
+    """Run the shares at once, one client process each (in this process when there is one);
+    their latencies and codes together, from the first start to the last end."""
+    if len(shares) == 1:
+        return asyncio.run(_send_share(url, api_key, shares[0]))
+    ctx = mp.get_context("spawn")  # the parent may hold CUDA (the roofline's peaks): no fork
+    go, out = ctx.Barrier(len(shares) + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(url, api_key, s, go, out), daemon=True)
+             for s in shares]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    try:
+        go.wait(timeout=120)
+        parts = [out.get(timeout=3600) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return _Sent(
+        min(p.start for p in parts), max(p.end for p in parts),
+        [x for p in parts for x in p.latencies], [c for p in parts for c in p.codes],
+    )  # fmt: skip
+
+
+def _summary(sent: _Sent) -> dict[str, Any]:
+    ok = [lat for lat, c in zip(sent.latencies, sent.codes) if c == 200]
+    seconds = sent.end - sent.start
+    return {
+        "sent": len(sent.codes),
+        "seconds": seconds,
+        "errors": sum(c != 200 for c in sent.codes),
+        "throughput_rps": len(ok) / seconds if seconds > 0 else 0.0,
+        "latency_p50_ms": 1e3 * float(np.percentile(ok, 50)) if ok else None,
+        "latency_p99_ms": 1e3 * float(np.percentile(ok, 99)) if ok else None,
+    }
+
+
+def open_loop(
+    url: str, bodies: Sequence[dict[str, Any]], rate: float, api_key: str | None = None,
+    seed: int = 0, processes: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Send `bodies` at Poisson arrivals of `rate` requests/s. Split over client processes,
+    each sends its share at `rate / processes`: independent Poisson streams add up to one of
+    `rate`."""
+    k = max(1, min(processes or client_processes(len(bodies)), len(bodies)))
+    shares = [_Share(list(bodies[i::k]), rate=rate / k, seed=seed * 1000 + i) for i in range(k)]
+    return {"offered_rps": rate, "client_processes": k, **_summary(_run_split(url, api_key, shares))}
+
+
+def closed_loop(
+    url: str, bodies: Sequence[dict[str, Any]], concurrency: int, api_key: str | None = None,
+    processes: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """`concurrency` requests always in flight (split over client processes): the server's
+    saturated throughput."""
+    k = max(1, min(processes or client_processes(concurrency), concurrency, len(bodies)))
+    shares = [
+        _Share(list(bodies[i::k]), concurrency=len(range(i, concurrency, k))) for i in range(k)
+    ]
+    out = _summary(_run_split(url, api_key, shares))
+    return {"concurrency": concurrency, "client_processes": k, **out}
+
+
+def unloaded(
     url: str, bodies: Sequence[dict[str, Any]], api_key: str | None = None
 ) -> dict[str, Any]:
     """One request at a time (the first two warm up and are not counted)."""
-    latencies, codes = [], []
-    async with _client(url, api_key, connections=1) as client:
-        for i, body in enumerate(bodies):
-            lat, code = await _post(client, body)
-            if i >= 2:
-                latencies.append(lat)
-                codes.append(code)
-    out = _summary(latencies, codes, sum(latencies))
+    sent = asyncio.run(_send_share(url, api_key, _Share(list(bodies), concurrency=1)))
+    latencies, codes = sent.latencies[2:], sent.codes[2:]
+    out = _summary(_Sent(0.0, sum(latencies), latencies, codes))
     return {"single_request_p50_ms": out["latency_p50_ms"],
             "single_request_p99_ms": out["latency_p99_ms"], "errors": out["errors"]}  # fmt: skip
 
@@ -157,7 +231,7 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
 def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
-    floor: Callable[[list[list[int]]], float] | None = None,
+    floor: Callable[[list[list[int]]], float] | None = None, processes: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
     saturation throughput when a rate is <= 1.5, else requests/s). `prompts(run)` gives each run
@@ -165,12 +239,13 @@ def run_server_bench(
     `floor(prompts)`: the roofline floor in seconds of those prompts at this n (`server_floor`),
     which puts the saturation run's share of it in the result."""
     result: dict[str, Any] = {"path": "server", "n": n}
-    result.update(asyncio.run(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key)))
-    before, start = _engine_totals(url, api_key), time.perf_counter()
-    sat = asyncio.run(
-        closed_loop(url, completion_bodies(prompts(1), n), saturation_concurrency, api_key)
+    result.update(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key))
+    # the engine's view over the load's own window (client processes start before it opens)
+    before = _engine_totals(url, api_key)
+    sat = closed_loop(
+        url, completion_bodies(prompts(1), n), saturation_concurrency, api_key, processes
     )
-    sat["engine"] = _engine_view(before, _engine_totals(url, api_key), time.perf_counter() - start)
+    sat["engine"] = _engine_view(before, _engine_totals(url, api_key), sat["seconds"])
     if floor is not None:
         sent = prompts(1)
         sat["roofline_requests_per_s"] = len(sent) / floor(sent)
@@ -180,11 +255,9 @@ def run_server_bench(
     for i, rate in enumerate(rates):
         rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
         bodies = completion_bodies(prompts(2 + i), n)
-        before, start = _engine_totals(url, api_key), time.perf_counter()
-        run = asyncio.run(open_loop(url, bodies, rps, api_key, seed=i))
-        run["engine"] = _engine_view(
-            before, _engine_totals(url, api_key), time.perf_counter() - start
-        )
+        before = _engine_totals(url, api_key)
+        run = open_loop(url, bodies, rps, api_key, seed=i, processes=processes)
+        run["engine"] = _engine_view(before, _engine_totals(url, api_key), run["seconds"])
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
     return result
 

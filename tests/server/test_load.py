@@ -154,3 +154,21 @@ def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_
         assert m["flashrec_engine_busy_seconds_total"] > 0
     text = profile.read_text()  # written when the engine thread ends, at shutdown
     assert "run_once" in text and "Ordered by: cumulative time" in text
+
+
+def test_load_generator_splits_over_client_processes(server: ServerProcess) -> None:
+    """`flashrec bench --server`'s closed and open loops, each over two client processes:
+    every body is sent once and answered, and the window covers both processes."""
+    from flashrec_core.bench.load import closed_loop, open_loop
+
+    bodies = [{"prompt": f"user history w{i} w{i + 1}", "n": 4, "max_tokens": 3} for i in range(12)]
+    answered = "flashrec_requests_total{endpoint=/v1/completions,status=200}"
+    before = read_metrics(server.url).get(answered, 0.0)
+    sat = closed_loop(server.url, bodies, concurrency=4, api_key=API_KEY, processes=2)
+    assert (sat["client_processes"], sat["sent"], sat["errors"]) == (2, 12, 0), sat
+    rate = open_loop(server.url, bodies, rate=50.0, api_key=API_KEY, processes=2)
+    assert (rate["client_processes"], rate["sent"], rate["errors"]) == (2, 12, 0), rate
+    assert read_metrics(server.url)[answered] - before == 24  # the server answered each body once per run
+    for run in (sat, rate):
+        assert run["throughput_rps"] == pytest.approx(12 / run["seconds"])
+        assert 0 < run["latency_p50_ms"] <= run["latency_p99_ms"] <= 1e3 * run["seconds"]

@@ -535,7 +535,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         result = run_server_bench(
             args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor,
             args.client_processes,
-        )
+        )  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -152,7 +152,8 @@ def open_loop(
     `rate`."""
     k = max(1, min(processes or client_processes(len(bodies)), len(bodies)))
     shares = [_Share(list(bodies[i::k]), rate=rate / k, seed=seed * 1000 + i) for i in range(k)]
-    return {"offered_rps": rate, "client_processes": k, **_summary(_run_split(url, api_key, shares))}
+    out = _summary(_run_split(url, api_key, shares))
+    return {"offered_rps": rate, "client_processes": k, **out}
 
 
 def closed_loop(

@@ -168,7 +168,7 @@ def test_load_generator_splits_over_client_processes(server: ServerProcess) -> N
     assert (sat["client_processes"], sat["sent"], sat["errors"]) == (2, 12, 0), sat
     rate = open_loop(server.url, bodies, rate=50.0, api_key=API_KEY, processes=2)
     assert (rate["client_processes"], rate["sent"], rate["errors"]) == (2, 12, 0), rate
-    assert read_metrics(server.url)[answered] - before == 24  # the server answered each body once per run
+    assert read_metrics(server.url)[answered] - before == 24  # each body answered once per run
     for run in (sat, rate):
         assert run["throughput_rps"] == pytest.approx(12 / run["seconds"])
         assert 0 < run["latency_p50_ms"] <= run["latency_p99_ms"] <= 1e3 * run["seconds"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flashrec_core.bench.roofline import served_model
@@ -41,6 +41,7 @@ from flashrec_core.engine.handles import (
 )
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
 from flashrec_core.server import responses
+from flashrec_core.server.encoding import JSON, dumps
 from flashrec_core.server.errors import APIError, install_error_handlers
 from flashrec_core.server.metrics import ServerMetrics
 from flashrec_core.server.middleware import RequestLogMiddleware
@@ -189,7 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             responses.new_id("chatcmpl"), settings.model_name, result, shaping
         )
         state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
-        return _sse(responses.chat_stream_chunks(payload)) if body.stream else JSONResponse(payload)
+        return _sse(responses.chat_stream_chunks(payload)) if body.stream else JSON(payload)
 
     @app.post("/v1/completions", response_model=Completion, responses=STREAMED,
               dependencies=[Depends(authorize)])  # fmt: skip
@@ -202,7 +203,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
         stream = body.stream
         return (
-            _sse(responses.completion_stream_chunks(payload)) if stream else JSONResponse(payload)
+            _sse(responses.completion_stream_chunks(payload)) if stream else JSON(payload)
         )
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
@@ -247,10 +248,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/ready", response_model=Health, responses={503: {"model": Health}})
     async def ready() -> Response:
         if state.stopping:
-            return JSONResponse({"status": "stopping"}, 503, {"Retry-After": "5"})
+            return JSON({"status": "stopping"}, 503, {"Retry-After": "5"})
         if not state.ready.is_set():
-            return JSONResponse({"status": "loading"}, 503, {"Retry-After": "1"})
-        return JSONResponse({"status": "ready"})
+            return JSON({"status": "loading"}, 503, {"Retry-After": "1"})
+        return JSON({"status": "ready"})
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
@@ -339,7 +340,7 @@ def _cancel(engine: Engine, handles: Sequence[Any], reason: str) -> None:
 def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
         for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: " + dumps(chunk) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

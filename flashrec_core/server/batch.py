@@ -25,6 +25,7 @@ from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.handles import DeviceMemoryError
 from flashrec_core.engine.loop import wait_done
 from flashrec_core.server import responses
+from flashrec_core.server.encoding import dumps
 from flashrec_core.server.errors import APIError, field_path
 from flashrec_core.server.protocol import ChatCompletionRequest, CompletionRequest
 from flashrec_core.server.translate import Defaults, chat_request, completion_requests
@@ -60,7 +61,7 @@ def run_batch(
             wait_done(engine.loop, [h for line in lines for h in line.handles or ()])
             for line in lines:
                 record = _finish(line, model)
-                out.write(json.dumps(record) + "\n")
+                out.write(dumps(record).decode() + "\n")
                 ok += record["status_code"] == 200
                 failed += record["status_code"] != 200
                 bar.update(1)

@@ -202,9 +202,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         )
         state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
         stream = body.stream
-        return (
-            _sse(responses.completion_stream_chunks(payload)) if stream else JSON(payload)
-        )
+        return _sse(responses.completion_stream_chunks(payload)) if stream else JSON(payload)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
              dependencies=[Depends(authorize)])  # fmt: skip

@@ -530,16 +530,41 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
             reqs = synthetic_requests(spec, layout, seed=0, body_seed=500 + run)
             return [list(r.prompt_ids) for r in reqs]
 
+        def progress(partial: dict[str, Any]) -> None:  # each phase as it ends (stderr, --out)
+            print(_phase_line(partial), file=sys.stderr, flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(partial, indent=2))
+
         rates = [float(x) for x in args.rates.split(",")]
         floor = server_floor(args.server, args.api_key, Path(args.model_dir), args.n, level_sizes)
         result = run_server_bench(
             args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor,
-            args.client_processes,
+            args.client_processes, progress,
         )  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _phase_line(result: dict[str, Any]) -> str:
+    """One line on the server bench's latest phase."""
+    if result.get("open_loop"):
+        run = result["open_loop"][-1]
+        head = f"open loop {run['offered_rps']:.1f} req/s offered"
+    elif "saturation" in result:
+        run = result["saturation"]
+        head = f"closed loop, {run['concurrency']} in flight"
+    else:
+        return (f"n={result['n']} unloaded: p50 {result['single_request_p50_ms']:.1f} ms, "
+                f"p99 {result['single_request_p99_ms']:.1f} ms")  # fmt: skip
+    engine = run.get("engine", {})
+    return (
+        f"n={result['n']} {head}: {run['throughput_rps']:.1f} req/s, p50 "
+        f"{run['latency_p50_ms'] or 0:.0f} / p99 {run['latency_p99_ms'] or 0:.0f} ms, "
+        f"{run['errors']} errors, {engine.get('mean_requests_per_wave', 0):.1f} requests per "
+        f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f}"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

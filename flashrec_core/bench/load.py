@@ -233,14 +233,18 @@ def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
     floor: Callable[[list[list[int]]], float] | None = None, processes: int | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
     saturation throughput when a rate is <= 1.5, else requests/s). `prompts(run)` gives each run
     fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache.
     `floor(prompts)`: the roofline floor in seconds of those prompts at this n (`server_floor`),
-    which puts the saturation run's share of it in the result."""
+    which puts the saturation run's share of it in the result. `progress(result)` after each
+    phase: a run cut short keeps what it measured."""
+    report = progress or (lambda _: None)
     result: dict[str, Any] = {"path": "server", "n": n}
     result.update(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key))
+    report(result)
     # the engine's view over the load's own window (client processes start before it opens)
     before = _engine_totals(url, api_key)
     sat = closed_loop(
@@ -253,6 +257,7 @@ def run_server_bench(
         sat["percent_of_roofline"] = 100 * sat["throughput_rps"] / sat["roofline_requests_per_s"]
     result["saturation"] = sat
     result["open_loop"] = []
+    report(result)
     for i, rate in enumerate(rates):
         rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
         bodies = completion_bodies(prompts(2 + i), n)
@@ -260,6 +265,7 @@ def run_server_bench(
         run = open_loop(url, bodies, rps, api_key, seed=i, processes=processes)
         run["engine"] = _engine_view(before, _engine_totals(url, api_key), run["seconds"])
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
+        report(result)
     return result
 
 

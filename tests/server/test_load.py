@@ -172,3 +172,33 @@ def test_load_generator_splits_over_client_processes(server: ServerProcess) -> N
     for run in (sat, rate):
         assert run["throughput_rps"] == pytest.approx(12 / run["seconds"])
         assert 0 < run["latency_p50_ms"] <= run["latency_p99_ms"] <= 1e3 * run["seconds"]
+
+
+def test_bench_server_command_reports_each_phase(
+    server: ServerProcess, checkpoint: Path, tmp_path: Path
+) -> None:
+    """`flashrec bench --server` end to end: unloaded, closed loop, one open-loop rate; each
+    phase is reported (stderr and --out) as it ends, so a run cut short keeps what it measured."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "server_bench.json"
+    cmd = [
+        sys.executable, "-m", "flashrec_core.cli", "bench", "--server", server.url,
+        "--model-dir", str(checkpoint), "--api-key", API_KEY, "-n", "4", "--requests", "6",
+        "--prompt-len", "24", "--shared-prefix", "8", "--level-sizes", "32,32,32",
+        "--concurrency", "3", "--rates", "0.5", "--client-processes", "2", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phases = [line for line in proc.stderr.splitlines() if line.startswith("n=4 ")]
+    assert [p.split(":")[0] for p in phases] == [
+        "n=4 unloaded", "n=4 closed loop, 3 in flight", phases[2].split(":")[0]
+    ] and "open loop" in phases[2], phases  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["saturation"]["sent"] == 6 and result["saturation"]["errors"] == 0
+    assert result["saturation"]["client_processes"] == 2
+    [run] = result["open_loop"]
+    assert run["sent"] == 6 and run["errors"] == 0
+    assert run["fraction_of_saturation"] == pytest.approx(0.5)

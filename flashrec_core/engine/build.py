@@ -138,21 +138,51 @@ def create_build_context(
     return ctx, decisions
 
 
-def create_kv_pool(loaded: LoadedModel) -> KVPool:
-    """Size the pool: explicit token count, else free memory after weights / bytes per token."""
+def workload_kv_tokens(cfg: EngineConfig, max_context: int, sid_depth: int) -> int:
+    """The most KV slots the engine's budgets can have in use at once: every request slot
+    holding a prompt of `max_context` tokens, plus the beams of the waves in flight (a wave
+    lives `sid_depth` iterations, one is admitted per iteration, and each of its at most
+    `max_wave_rows` beams writes one slot per step after the first), plus the reserved slot 0.
+    A pool larger than this holds only cached prefixes of finished requests."""
+    beams = sid_depth * cfg.max_wave_rows * max(sid_depth - 1, 0)
+    return cfg.max_requests * max_context + beams + 1
+
+
+def kv_pool_tokens(
+    cfg: EngineConfig, per_token: int, free_bytes: int | None, max_context: int,
+    sid_depth: int | None,
+) -> tuple[int, str]:  # fmt: skip
+    """Token slots of the KV pool and why: `--kv-cache-tokens`; else, given the device's free
+    memory after the weights (`free_bytes`, None on CPU), `mem_fraction` of it, capped at what
+    the budgets can use when the SID depth is known; else the CPU default."""
+    if cfg.kv_cache_tokens is not None:
+        return cfg.kv_cache_tokens, "--kv-cache-tokens"
+    if free_bytes is None:
+        return CPU_KV_TOKENS, "the CPU default"
+    share = int(free_bytes * cfg.mem_fraction) // per_token
+    need = workload_kv_tokens(cfg, max_context, sid_depth) if sid_depth is not None else share
+    if need < share:
+        return need, (
+            f"what the budgets can use: {cfg.max_requests} requests x {max_context} tokens "
+            f"(--max-requests, --max-context) + the beams of {sid_depth} waves in flight"
+        )
+    return share, f"--mem-fraction {cfg.mem_fraction} of the free memory"
+
+
+def create_kv_pool(loaded: LoadedModel, max_context: int, sid_depth: int | None = None) -> KVPool:
+    """The KV pool, sized by `kv_pool_tokens`."""
     cfg, mc, ctx = loaded.engine_config, loaded.config, loaded.context
     assert ctx.kv_dtype is not None, "the build context carries the resolved KV dtype"
     per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, ctx.kv_dtype)
-    tokens = cfg.kv_cache_tokens
-    if tokens is None and ctx.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(ctx.device)
-        tokens = int(free * cfg.mem_fraction) // per_token
-    elif tokens is None:
-        tokens = CPU_KV_TOKENS
+    free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else None
+    tokens, why = kv_pool_tokens(cfg, per_token, free, max_context, sid_depth)
     if tokens < 2:
         raise RuntimeError(
             f"KV pool would hold {tokens} tokens ({per_token} bytes each); free GPU memory "
             "or lower the model size; --kv-cache-tokens sets the pool explicitly"
         )
-    logger.info("KV pool: %d token slots x %d bytes (%s)", tokens, per_token, ctx.kv_dtype)
+    logger.info(
+        "KV pool: %d token slots x %d bytes = %.2f GiB (%s; %s)",
+        tokens, per_token, tokens * per_token / 2**30, ctx.kv_dtype, why,
+    )  # fmt: skip
     return KVPool(mc.num_layers, mc.num_kv_heads, mc.head_dim, tokens, ctx.kv_dtype, ctx.device)

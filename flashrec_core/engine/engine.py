@@ -125,7 +125,7 @@ class Engine:
         read_model_config(engine_config.model_path, engine_config.arch, registry)
         tokenizer = AutoTokenizer.from_pretrained(engine_config.model_path, local_files_only=True)
         catalog, layout = _load_layout_and_catalog(tokenizer, search)
-        runner = ModelRunner.from_config(engine_config, registry)
+        runner = ModelRunner.from_config(engine_config, registry, sid_depth=layout.depth)
         return cls(runner, tokenizer, layout, catalog, search, max_queue)
 
     @staticmethod

@@ -94,6 +94,7 @@ class EngineLoop:
         self._waves_admitted = 0
         self._requests_admitted = 0
         self._busy_s = 0.0
+        self._peak_kv_used = 0
 
     # -- clients --------------------------------------------------------------------------
 
@@ -169,6 +170,7 @@ class EngineLoop:
             waves_admitted=self._waves_admitted,
             requests_admitted=self._requests_admitted,
             busy_seconds=self._busy_s,
+            kv_slots_peak_used=self._peak_kv_used,
         )
 
     @property
@@ -234,10 +236,17 @@ class EngineLoop:
             self._retire(now)
             running = list(self._waves)
             self._admit(now)
+            self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # waves free, not take
             for wave in running:
                 self._advance(wave)
             self._iterations += 1
             self._busy_s += time.monotonic() - now
+
+    def _kv_used(self) -> int:
+        """KV slots held by requests in flight (neither free nor in the prefix cache)."""
+        runner = self.wave.runner
+        cached = runner.prefix_cache.num_cached if runner.prefix_cache is not None else 0
+        return runner.allocator.num_slots - 1 - runner.allocator.num_free - cached
 
     def _retire(self, now: float) -> None:
         with self._cv:

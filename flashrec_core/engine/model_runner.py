@@ -31,16 +31,17 @@ DEFAULT_MAX_CONTEXT = 16_384
 class ModelRunner:
     """Owns the model, its KV pool, slot allocator, request table and attention backend."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, sid_depth: int | None = None) -> None:
+        """`sid_depth` (the served SIDs' depth) caps the KV pool at what the budgets can use."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.context.device
         self.dtype = loaded.context.dtype
-        self.kv_pool: KVPool = create_kv_pool(loaded)
-        self.allocator = SlotAllocator(self.kv_pool.num_slots)
         ecfg = loaded.engine_config
         max_context = ecfg.max_context or min(self.config.max_position, DEFAULT_MAX_CONTEXT)
+        self.kv_pool: KVPool = create_kv_pool(loaded, max_context, sid_depth)
+        self.allocator = SlotAllocator(self.kv_pool.num_slots)
         self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
         self.prefix_cache = RadixCache(self.allocator) if ecfg.prefix_cache else None
         cfg = self.config
@@ -60,8 +61,10 @@ class ModelRunner:
             )
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, registry: Registry | None = None) -> ModelRunner:
-        return cls(load_model(cfg, registry))
+    def from_config(
+        cls, cfg: EngineConfig, registry: Registry | None = None, sid_depth: int | None = None
+    ) -> ModelRunner:
+        return cls(load_model(cfg, registry), sid_depth)
 
     def lm_head(self) -> torch.Tensor:
         return self.model.lm_head()

@@ -41,6 +41,11 @@ class _EngineCollector(Collector):
                 "KV slots held by requests in flight",
                 s.kv_slots_total - s.kv_slots_free - s.kv_slots_cached,
             ),
+            "kv_slots_peak_used": (
+                "the most KV slots requests in flight held at once since start (what a pool "
+                "needs for this traffic, besides the prefix cache)",
+                s.kv_slots_peak_used,
+            ),  # fmt: skip
             "prefix_cache_locked_nodes": ("prefix-cache nodes locked", s.prefix_cache_locked_nodes),
             "request_slots_total": ("rows of the request table", s.request_slots_total),
             "request_slots_used": ("request-table rows in use", s.request_slots_used),

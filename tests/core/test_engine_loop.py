@@ -297,3 +297,37 @@ def test_background_thread_serves_and_stops(
     assert not loop.running
     with pytest.raises(EngineStoppedError):
         loop.submit(engine.make_request(prompt="w1", n=2))
+
+
+def test_a_pool_of_what_the_budgets_can_use_never_runs_short(checkpoint: Path) -> None:
+    """The KV pool sized by `workload_kv_tokens` (as CUDA engines are, when it is below their
+    memory share) holds every request the budgets let in at once: the request table full of
+    longest prompts and the beams of `depth` waves in flight, with no prefix cache to evict."""
+    from dataclasses import replace as with_fields
+
+    from flashrec_core.engine.build import workload_kv_tokens
+
+    base = EngineConfig(model_path=str(checkpoint), device="cpu", max_requests=6, max_context=24,
+                        max_wave_rows=32, prefix_cache=False, show_progress=False)  # fmt: skip
+    budget = workload_kv_tokens(base, max_context=24, sid_depth=3)
+    assert budget == 6 * 24 + 3 * 32 * 2 + 1
+    cfg = base.model_copy(update={"kv_cache_tokens": budget})
+    engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(checkpoint / "catalog.json")))
+    loop = engine.loop
+    longest = 24 - engine.trie.depth  # the prompt limit check leaves room for the SID steps
+    vocab = engine.vocab_size - 64  # plain tokens, below the SID codebooks
+    requests = [
+        with_fields(engine.make_request(prompt="w1", n=16), prompt_ids=tuple(
+            (7 * i + j) % vocab for j in range(longest)))
+        for i in range(18)
+    ]  # fmt: skip
+    handles = [loop.submit(r, bounded=False) for r in requests]
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    assert all(h.future.exception() is None for h in handles), "a request ran short of KV"
+    # the steady state reached the budgets' most: a full table of longest prompts and `depth`
+    # waves of 2 x 16 beams, each beam with depth - 1 slots
+    peak = loop.stats().kv_slots_peak_used
+    assert peak == 6 * longest + 3 * 32 * 2
+    assert peak <= budget - 1
+    assert_idle(engine)

@@ -137,3 +137,21 @@ def test_bytes_per_token(dtype: torch.dtype, size: int) -> None:
     pool = KVPool(3, 2, 8, 5, dtype, CPU)
     total = sum(t.numel() * t.element_size() for t in (*pool.k_cache, *pool.v_cache))
     assert KVPool.bytes_per_token(3, 2, 8, dtype) * 5 == total
+
+
+def test_kv_pool_sizing_takes_the_memory_share_or_what_the_budgets_can_use() -> None:
+    from flashrec_core.config import EngineConfig
+    from flashrec_core.engine.build import CPU_KV_TOKENS, kv_pool_tokens, workload_kv_tokens
+
+    per_token, free = 57_344, 100 * 2**30  # Qwen3-1.7B's FP8 KV per token; 100 GiB free
+    share = int(free * 0.85) // per_token
+    default = EngineConfig(model_path="m")  # 1,024 requests x 16,384 tokens: more than fits
+    assert kv_pool_tokens(default, per_token, free, 16_384, 3)[0] == share
+    assert kv_pool_tokens(default, per_token, free, 16_384, None)[0] == share
+    small = EngineConfig(model_path="m", max_requests=64, max_context=1100)
+    tokens, why = kv_pool_tokens(small, per_token, free, 1100, 3)
+    assert tokens == workload_kv_tokens(small, 1100, 3) == 64 * 1100 + 3 * 8192 * 2 + 1
+    assert "--max-requests" in why and tokens < share
+    explicit = EngineConfig(model_path="m", kv_cache_tokens=12_345)
+    assert kv_pool_tokens(explicit, per_token, free, 1100, 3) == (12_345, "--kv-cache-tokens")
+    assert kv_pool_tokens(small, per_token, None, 1100, 3)[0] == CPU_KV_TOKENS

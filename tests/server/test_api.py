@@ -109,6 +109,9 @@ def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]
     ):
         assert name in metrics, name  # fmt: skip
     assert metrics["flashrec_invalid_results_total"] == 0
+    # the request above ran: its slots (at least) are the peak, which stays after it ends
+    assert 0 < metrics["flashrec_kv_slots_peak_used"] <= metrics["flashrec_kv_slots_total"]
+    assert metrics["flashrec_kv_slots_used"] <= metrics["flashrec_kv_slots_peak_used"]
     assert any(k.startswith("flashrec_request_stage_seconds_bucket") for k in metrics)
     # what `flashrec bench --server` needs for the roofline floor: the served model's budgets
     roofline = card.model_extra["flashrec"]["roofline"]

@@ -118,7 +118,7 @@ def bench_engine(
                                single_runs)  # fmt: skip
     runner = engine.runner
     ecfg = runner.loaded.engine_config
-    floor = _floor_seconds(engine, requests, level_sizes) if cuda else float("nan")
+    floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
     graphs = engine.wave.graphs
     return {
         "path": "Engine.generate",
@@ -126,13 +126,15 @@ def bench_engine(
         "n": n,
         "requests": num_requests,
         "requests_per_s": num_requests / seconds,
-        "percent_of_roofline": 100 * floor / seconds,
-        "roofline_requests_per_s": num_requests / floor,
+        "percent_of_roofline": 100 * floor / seconds if floor else None,
+        "roofline_requests_per_s": num_requests / floor if floor else None,
         "latency_p50_ms": float(np.percentile(latencies, 50)),
         "latency_p99_ms": float(np.percentile(latencies, 99)),
         "single_request_p50_ms": float(np.percentile(single, 50)),
         "single_request_p99_ms": float(np.percentile(single, 99)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "kv_pool_gib": runner.kv_pool.nbytes / 2**30,
+        "kv_slots_peak_used": engine.loop.stats().kv_slots_peak_used,  # warm-up included
         "invalid_results": engine.loop.stats().invalid_results,
         "short_results": sum(len(r.choices) < n for r in results),
         "graph_replays": graphs.stats.replays if graphs else 0,

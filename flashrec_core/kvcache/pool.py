@@ -42,6 +42,10 @@ class KVPool:
             2 * num_kv_heads * head_dim * num_layers * torch.empty((), dtype=dtype).element_size()
         )
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k_cache) + sum(t.nbytes for t in self.v_cache)
+
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_cache[layer_id][loc] = k.to(self.dtype)
         self.v_cache[layer_id][loc] = v.to(self.dtype)

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -62,6 +62,23 @@ ck=/tmp/bench-ckpt  # the bench preset as a real checkpoint directory (e2e, filt
 ensure_checkpoint() {
   [[ -f $ck/config.json ]] || timeout "$(left)" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
 }
+# serve_bench TAG [SERVE FLAGS...]: flashrec serve on the bench checkpoint, then the server bench at
+# n=50 and n=512; each phase is printed as it ends and written to $out/e2e_server_nN$TAG.json
+serve_bench() {
+  local tag=$1 srv n reqs; shift
+  flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 "$@" \
+    ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile$tag.txt"} > "$out/serve$tag.log" 2>&1 &
+  srv=$!
+  for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
+  echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: $*)"
+  for spec in "50 400" "512 64"; do
+    read -r n reqs <<< "$spec"
+    timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n "$n" \
+      --requests "$reqs" --concurrency "$reqs" --out "$out/e2e_server_n$n$tag.json" 2>&1 >/dev/null | grep "^n="
+  done
+  curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
+  kill -TERM $srv; wait $srv; echo "serve exit $?"; tail -3 "$out/serve$tag.log"
+}
 
 for what in "${@:-tests}"; do
   echo "=== stage $what ($(date +%T))"
@@ -110,19 +127,13 @@ for what in "${@:-tests}"; do
         timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
       fi
       [[ $what == e2e-engine ]] && continue
-      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1" (an A/B of the server)
+      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"
       # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
-      flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 ${SERVE_ARGS:-} \
-        ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile.txt"} > "$out/serve.log" 2>&1 &
-      srv=$!
-      for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
-      echo "ready after warm-up: $(grep -c captured "$out/serve.log") captures"
-      timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 50 --requests 400 \
-        --concurrency 400 --out "$out/e2e_server_n50.json" 2>&1 | tail -45
-      timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n 512 --requests 64 \
-        --concurrency 64 --out "$out/e2e_server_n512.json" 2>&1 | tail -45
-      curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)" ; kill -TERM $srv; wait $srv
-      echo "serve exit $?"; tail -5 "$out/serve.log" ;;
+      serve_bench "" ${SERVE_ARGS:-} ;;
+    server-ab)  # the server twice: admission every step (default), then --admission-delay-factor 1
+      ensure_checkpoint
+      serve_bench ""
+      serve_bench _delay1 --admission-delay-factor 1 ;;
     filters)  # the cost of per-request item filters at n=512 (issue 13): none, 10k excluded, 1k allowed
       ensure_checkpoint
       # FILTER_CASES: comma-separated bench flags per run ("" = unfiltered), default all four

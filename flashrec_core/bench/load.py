@@ -173,12 +173,12 @@ def closed_loop(
 def unloaded(
     url: str, bodies: Sequence[dict[str, Any]], api_key: str | None = None
 ) -> dict[str, Any]:
-    """One request at a time (the first two warm up and are not counted)."""
+    """One request at a time."""
     sent = asyncio.run(_send_share(url, api_key, _Share(list(bodies), concurrency=1)))
-    latencies, codes = sent.latencies[2:], sent.codes[2:]
-    out = _summary(_Sent(0.0, sum(latencies), latencies, codes))
+    out = _summary(sent)
     return {"single_request_p50_ms": out["latency_p50_ms"],
-            "single_request_p99_ms": out["latency_p99_ms"], "errors": out["errors"]}  # fmt: skip
+            "single_request_p99_ms": out["latency_p99_ms"], "errors": out["errors"],
+            "seconds": out["seconds"]}  # fmt: skip
 
 
 _ENGINE_TOTALS = (
@@ -243,7 +243,13 @@ def run_server_bench(
     phase: a run cut short keeps what it measured."""
     report = progress or (lambda _: None)
     result: dict[str, Any] = {"path": "server", "n": n}
-    result.update(unloaded(url, completion_bodies(prompts(0)[:22], n), api_key))
+    singles = completion_bodies(prompts(0)[:22], n)
+    unloaded(url, singles[:2], api_key)  # warm-up, not counted
+    before = _engine_totals(url, api_key)
+    single = unloaded(url, singles[2:], api_key)
+    # where one request's time goes: the server's latency, its queue / prefill / decode
+    single["engine"] = _engine_view(before, _engine_totals(url, api_key), single.pop("seconds"))
+    result.update(single)
     report(result)
     # the engine's view over the load's own window (client processes start before it opens)
     before = _engine_totals(url, api_key)

@@ -141,10 +141,12 @@ def create_build_context(
 def workload_kv_tokens(cfg: EngineConfig, max_context: int, sid_depth: int) -> int:
     """The most KV slots the engine's budgets can have in use at once: every request slot
     holding a prompt of `max_context` tokens, plus the beams of the waves in flight (a wave
-    lives `sid_depth` iterations, one is admitted per iteration, and each of its at most
-    `max_wave_rows` beams writes one slot per step after the first), plus the reserved slot 0.
+    takes `sid_depth - 1` steps after its prefill and one is admitted per iteration, after the
+    finishing wave handed its KV back, so `sid_depth - 1` waves hold beams at once; each of a
+    wave's at most `max_wave_rows` beams holds one slot per step), plus the reserved slot 0.
     A pool larger than this holds only cached prefixes of finished requests."""
-    beams = sid_depth * cfg.max_wave_rows * max(sid_depth - 1, 0)
+    steps = max(sid_depth - 1, 0)
+    beams = steps * cfg.max_wave_rows * steps
     return cfg.max_requests * max_context + beams + 1
 
 
@@ -164,7 +166,7 @@ def kv_pool_tokens(
     if need < share:
         return need, (
             f"what the budgets can use: {cfg.max_requests} requests x {max_context} tokens "
-            f"(--max-requests, --max-context) + the beams of {sid_depth} waves in flight"
+            f"(--max-requests, --max-context) + the beams of {sid_depth - 1} waves in flight"
         )
     return share, f"--mem-fraction {cfg.mem_fraction} of the free memory"
 

@@ -4,7 +4,7 @@ stats snapshot, and the errors a submission can end in."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
@@ -77,6 +77,21 @@ class RequestHandle:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+    def succeed(self, result: GenerationResult) -> None:
+        """Set the result, unless the future is settled already: a client may cancel its side
+        (asyncio's wrap_future cancels this future) at any moment, and nobody reads it then."""
+        try:
+            self.future.set_result(result)
+        except InvalidStateError:
+            pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Set the error, unless the future is settled already (see `succeed`)."""
+        try:
+            self.future.set_exception(exc)
+        except InvalidStateError:
+            pass
 
 
 @dataclass(frozen=True)

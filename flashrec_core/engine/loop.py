@@ -4,9 +4,12 @@ gets a handle with a future.
 Work runs in iterations, each a step boundary:
 1. retire: requests cancelled or past their deadline leave their wave (rows, KV slots, table
    rows and prefix-cache locks are handed back) or the queue;
-2. admit: queued requests form a new wave (KV allocated, prefill, first selection) under the
-   beam-row, request-table and KV-slot budgets;
-3. step: every other wave in flight runs one beam step; finished waves become results.
+2. step: every wave in flight runs one beam step; a wave whose last step ran hands its KV back
+   at once and starts the copy of its beams to the host;
+3. admit: queued requests form a new wave (KV allocated, prefill, first selection) under the
+   beam-row, request-table and KV-slot budgets, which include the KV just handed back;
+4. results: the finished waves' beams become results while the GPU runs the prefill queued in
+   3 (the copies were queued before it, so the host waits only for them).
 
 Under load every iteration runs one new wave's prefill and the beam steps of the waves admitted
 in the iterations before (a wave lives `depth` iterations). A request that arrives while others
@@ -54,7 +57,7 @@ from flashrec_core.engine.requests import (
     RequestTimings,
     ResultDecoder,
 )
-from flashrec_core.engine.results import assemble_results
+from flashrec_core.engine.results import HostBeams, assemble_results, copy_to_host
 from flashrec_core.kvcache import OutOfSlotsError
 
 logger = logging.getLogger("flashrec")
@@ -66,6 +69,18 @@ class _Wave:
     handles: list[RequestHandle]
 
 
+@dataclass
+class _Finished:
+    """A wave whose last step ran: its KV is handed back, its beams are on their way to the
+    host, and what the results need is kept here (`release` clears the state)."""
+
+    handles: list[RequestHandle]
+    beams: HostBeams
+    requests: list[GenerationRequest]
+    cached_lens: list[int]
+    decoder: ResultDecoder
+
+
 class EngineLoop:
     """Admits, steps and retires requests; see the module docstring."""
 
@@ -75,6 +90,7 @@ class EngineLoop:
         self.limits = limits
         self._queue: deque[RequestHandle] = deque()
         self._waves: list[_Wave] = []
+        self._finished: list[_Finished] = []  # within one iteration: step -> results
         self._cv = threading.Condition()
         self._drive = threading.Lock()  # one driver of run_once at a time
         self._thread: threading.Thread | None = None
@@ -175,7 +191,7 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._waves
+        return not self._queue and not self._waves and not self._finished
 
     # -- the thread -----------------------------------------------------------------------
 
@@ -230,15 +246,15 @@ class EngineLoop:
     # -- one iteration --------------------------------------------------------------------
 
     def run_once(self) -> None:
-        """Retire, admit, step (module docstring)."""
+        """Retire, step, admit, results (module docstring)."""
         with self._drive:
             now = time.monotonic()
             self._retire(now)
-            running = list(self._waves)
-            self._admit(now)
-            self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # waves free, not take
-            for wave in running:
+            for wave in list(self._waves):
                 self._advance(wave)
+            self._admit(now)
+            self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # the iteration's most
+            self._deliver()
             self._iterations += 1
             self._busy_s += time.monotonic() - now
 
@@ -271,10 +287,10 @@ class EngineLoop:
         if h.future.done():  # failed elsewhere already
             return True
         if h._cancel_reason is not None:
-            h.future.set_exception(RequestCancelledError(h._cancel_reason))
+            h.fail(RequestCancelledError(h._cancel_reason))
             return True
         if h.expired(now):
-            h.future.set_exception(RequestTimeoutError("the request's timeout passed"))
+            h.fail(RequestTimeoutError("the request's timeout passed"))
             return True
         return False
 
@@ -299,7 +315,7 @@ class EngineLoop:
         except Exception as exc:  # a bug or device error: fail these requests, keep serving
             logger.exception("prefill of %d requests failed", len(handles))
             for h in handles:
-                h.future.set_exception(exc)
+                h.fail(exc)
             return
         self._admit_cap = None
         self._waves_admitted += 1
@@ -344,7 +360,7 @@ class EngineLoop:
         in flight, wait for them; alone, retry with half as many requests; a single request
         alone cannot ever fit: it fails with `exc`."""
         if not self._waves and len(handles) == 1:
-            handles[0].future.set_exception(exc)
+            handles[0].fail(exc)
             return
         if not self._waves:
             self._admit_cap = max(1, len(handles) // 2)
@@ -377,33 +393,49 @@ class EngineLoop:
         self._waves.remove(wave)
         self.wave.release(wave.state, False)
         for h in wave.handles:
-            if not h.future.done():
-                h.future.set_exception(exc)
+            h.fail(exc)
 
     def _finish(self, wave: _Wave) -> None:
+        """The wave's last step ran: start its beams' copy to the host, hand its KV back now
+        (later GPU work that reuses the slots is queued behind the step), and leave the results
+        to `_deliver` at the end of the iteration."""
         state = wave.state
         try:
             decoder = state.version.decoder if state.version is not None else self.decoder
-            out = assemble_results(
-                self.wave.output(state), state.requests, state.cached_lens, decoder
-            )
-        except Exception as exc:  # a bug: these requests fail, the loop keeps serving
-            logger.exception("results of %d requests could not be assembled", len(wave.handles))
+            beams = copy_to_host(self.wave.output(state))
+        except Exception as exc:  # a bug or device error: these requests fail, keep serving
+            logger.exception("results of %d requests could not be fetched", len(wave.handles))
             self._fail_wave(wave, exc)
             return
+        finished = _Finished(
+            wave.handles, beams, list(state.requests), list(state.cached_lens), decoder
+        )
         self._waves.remove(wave)
         self.wave.release(state, True)
-        self._invalid += out.invalid
-        if out.invalid:
-            logger.error("%d returned beams are not catalog SIDs (a search bug)", out.invalid)
-        end = time.monotonic()
-        for h, result in zip(wave.handles, out.results):
-            timings = RequestTimings(
-                queue_s=(h.admitted_at or end) - h.submitted_at,
-                prefill_s=(h.prefilled_at or end) - (h.admitted_at or end),
-                decode_s=end - (h.prefilled_at or end),
-            )
-            h.future.set_result(replace(result, timings=timings))
+        self._finished.append(finished)
+
+    def _deliver(self) -> None:
+        """Results of the waves finished this iteration (module docstring, step 4)."""
+        finished, self._finished = self._finished, []
+        for f in finished:
+            try:
+                out = assemble_results(f.beams, f.requests, f.cached_lens, f.decoder)
+            except Exception as exc:  # a bug: these requests fail, the loop keeps serving
+                logger.exception("results of %d requests could not be assembled", len(f.handles))
+                for h in f.handles:
+                    h.fail(exc)
+                continue
+            self._invalid += out.invalid
+            if out.invalid:
+                logger.error("%d returned beams are not catalog SIDs (a search bug)", out.invalid)
+            end = time.monotonic()
+            for h, result in zip(f.handles, out.results):
+                timings = RequestTimings(
+                    queue_s=(h.admitted_at or end) - h.submitted_at,
+                    prefill_s=(h.prefilled_at or end) - (h.admitted_at or end),
+                    decode_s=end - (h.prefilled_at or end),
+                )
+                h.succeed(replace(result, timings=timings))
 
 
 def _too_big_alone(request: GenerationRequest) -> DeviceMemoryError:

@@ -1,8 +1,10 @@
 """Turning a finished wave's beams into per-request results with array operations.
 
-One device-to-host copy of the wave's codes, catalog rows and scores; ranking, dead-beam removal
-and the validity check run as numpy ops over all rows at once. No Python object is made per beam
-here (the engine thread runs this); `GenerationResult.choices` makes those lazily elsewhere.
+One device-to-host copy of the wave's codes, catalog rows and scores (`copy_to_host`: on CUDA
+non-blocking into pinned memory, so the engine thread queues the next GPU work before it waits
+for the beams); ranking, dead-beam removal and the validity check run as numpy ops over all rows
+at once. No Python object is made per beam here (the engine thread runs this);
+`GenerationResult.choices` makes those lazily elsewhere.
 """
 
 from __future__ import annotations
@@ -24,15 +26,46 @@ class WaveResults:
     """Returned beams whose codes are not the catalog SID of their row (must stay 0)."""
 
 
+@dataclass(frozen=True)
+class HostBeams:
+    """A finished wave's beams on their way to the host: codes with each beam's catalog row as
+    a last column, and the cumulative log-prob after each level."""
+
+    codes_nodes: torch.Tensor
+    path_scores: torch.Tensor
+    copied: torch.cuda.Event | None  # recorded after the copies on CUDA; None: on the host
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The two as numpy arrays, once the copies have landed."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.codes_nodes.numpy(), self.path_scores.numpy()
+
+
+def copy_to_host(out: WaveOutput) -> HostBeams:
+    """Start the wave's device-to-host copy. On CUDA it is queued behind the wave's last step
+    and does not wait for it; reading `arrays()` does."""
+    both = torch.cat([out.codes, out.nodes[:, None]], dim=1)
+    paths = out.path_scores.float()
+    if not both.is_cuda:
+        return HostBeams(both, paths, None)
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+    host_paths = torch.empty(paths.shape, dtype=paths.dtype, pin_memory=True)
+    host.copy_(both, non_blocking=True)
+    host_paths.copy_(paths, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return HostBeams(host, host_paths, copied)
+
+
 def assemble_results(
-    out: WaveOutput,
+    beams: HostBeams,
     requests: Sequence[GenerationRequest],
     cached_lens: Sequence[int],
     decoder: ResultDecoder,
 ) -> WaveResults:
     """Per request, its live beams ranked by log-prob (ties: lower row first)."""
-    host = torch.cat([out.codes, out.nodes[:, None]], dim=1).cpu().numpy()
-    paths = out.path_scores.float().cpu().numpy()
+    host, paths = beams.arrays()
     scores = paths[:, -1]
     codes, nodes = host[:, :-1], host[:, -1]
     widths = np.array([r.n for r in requests], dtype=np.int64)

@@ -150,7 +150,7 @@ def test_kv_pool_sizing_takes_the_memory_share_or_what_the_budgets_can_use() -> 
     assert kv_pool_tokens(default, per_token, free, 16_384, None)[0] == share
     small = EngineConfig(model_path="m", max_requests=64, max_context=1100)
     tokens, why = kv_pool_tokens(small, per_token, free, 1100, 3)
-    assert tokens == workload_kv_tokens(small, 1100, 3) == 64 * 1100 + 3 * 8192 * 2 + 1
+    assert tokens == workload_kv_tokens(small, 1100, 3) == 64 * 1100 + 2 * 8192 * 2 + 1
     assert "--max-requests" in why and tokens < share
     explicit = EngineConfig(model_path="m", kv_cache_tokens=12_345)
     assert kv_pool_tokens(explicit, per_token, free, 1100, 3) == (12_345, "--kv-cache-tokens")

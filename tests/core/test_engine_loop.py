@@ -332,3 +332,29 @@ def test_a_pool_of_what_the_budgets_can_use_never_runs_short(checkpoint: Path) -
     assert peak == 4 * longest + 2 * 32 * 2
     assert peak <= budget - 1
     assert_idle(engine)
+
+
+def test_a_future_cancelled_by_its_client_leaves_the_other_requests_alone(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio's wrap_future cancels the engine's future when the client's task is cancelled, at
+    any moment from the event loop's thread: here during the wave's last step, after the
+    iteration's retire pass. The loop must settle the rest and keep serving."""
+    loop = engine.loop
+    gone = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
+    kept = loop.submit(engine.make_request(prompt="w4 w5 w6", n=8))
+    step = engine.wave.advance
+
+    def step_then_cancel(state) -> None:  # the client goes away while the last step runs
+        step(state)
+        if state.level == engine.wave.depth:
+            assert gone.future.cancel(), "a pending concurrent future can be cancelled"
+
+    monkeypatch.setattr(engine.wave, "advance", step_then_cancel)
+    while not kept.future.done():
+        loop.run_once()
+    monkeypatch.undo()
+    [alone] = engine.generate([kept.request])
+    assert_same_ranking(ranking(kept.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert gone.future.cancelled()
+    assert_idle(engine)

@@ -476,7 +476,7 @@ def _read_messages(path: str) -> list[dict[str, str]]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from flashrec_core.bench import BenchConfig, main_bench
+    from flashrec_core.bench.run import BenchConfig, main_bench
 
     level_sizes = _int_list(args.level_sizes)
     assert level_sizes is not None, "argparse supplies a default"

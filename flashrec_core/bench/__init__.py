@@ -1,5 +1,5 @@
-"""`flashrec bench`: synthetic-workload throughput benchmark with roofline and HF baseline."""
+"""`flashrec bench`: the synthetic wave benchmark (`run`), `Engine.generate` on a checkpoint
+(`e2e`), a running server under load (`load`), and the roofline model they share (`roofline`).
 
-from flashrec_core.bench.run import BenchConfig, main_bench, run_bench
-
-__all__ = ["BenchConfig", "main_bench", "run_bench"]
+Nothing is imported here: the load generator's client processes import `load` alone, without
+torch."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashrec_core.bench import BenchConfig, run_bench
+from flashrec_core.bench.run import BenchConfig, run_bench
 
 pytestmark = pytest.mark.gpu
 

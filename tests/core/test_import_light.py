@@ -68,3 +68,16 @@ def test_family_regex_matches_what_it_should() -> None:
 def test_core_names_no_model_family() -> None:
     found = _family_names()
     assert not found, "the core names model families:\n" + "\n".join(found)
+
+
+def test_the_load_generator_imports_no_torch() -> None:
+    """`flashrec bench --server` spawns one client process per 32 concurrent requests; each
+    imports `flashrec_core.bench.load`, which must not drag torch in (2 s and ~300 MB each)."""
+    script = (
+        "import json, sys; import flashrec_core.bench.load; "
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []

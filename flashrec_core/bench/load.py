@@ -13,6 +13,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ def completion_bodies(prompts: Sequence[Sequence[int]], n: int) -> list[dict[str
 
 
 async def _post(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float, int]:
+    """Latency and status of one request; a connection refused or cut counts as status 0 (an
+    error in the summary), so a server that dies mid-run is reported, not a crash."""
     start = time.perf_counter()
-    r = await client.post("/v1/completions", json=body)
+    try:
+        r = await client.post("/v1/completions", json=body)
+    except httpx.TransportError:
+        return time.perf_counter() - start, 0
     if r.status_code == 200:
         r.json()  # a client reads the answer
     return time.perf_counter() - start, r.status_code
@@ -94,7 +100,11 @@ async def _send_share(url: str, api_key: str | None, share: _Share) -> _Sent:
 
 def _client_process(url: str, api_key: str | None, share: _Share, go: Any, out: Any) -> None:
     go.wait()  # every client process is up and imported: start together
-    out.put(asyncio.run(_send_share(url, api_key, share)))
+    try:
+        out.put(asyncio.run(_send_share(url, api_key, share)))
+    except BaseException as exc:  # the parent waits for one answer per process: send the error
+        out.put(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def client_processes(connections: int) -> int:
@@ -117,8 +127,16 @@ def _run_split(url: str, api_key: str | None, shares: list[_Share]) -> _Sent:
     for proc in procs:
         proc.start()
     try:
-        go.wait(timeout=120)
+        try:
+            go.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            codes = [proc.exitcode for proc in procs]
+            raise RuntimeError(f"the load client processes did not start (exit codes {codes}; "
+                               "their tracebacks are above)") from None  # fmt: skip
         parts = [out.get(timeout=3600) for _ in procs]
+        failed = [p for p in parts if isinstance(p, str)]
+        if failed:
+            raise RuntimeError(f"a load client process failed: {failed[0]}")
     finally:
         for proc in procs:
             proc.join(timeout=10)

@@ -202,3 +202,17 @@ def test_bench_server_command_reports_each_phase(
     [run] = result["open_loop"]
     assert run["sent"] == 6 and run["errors"] == 0
     assert run["fraction_of_saturation"] == pytest.approx(0.5)
+
+
+def test_load_generator_counts_a_dead_server_as_errors() -> None:
+    """Nothing listens: every request is an error in the summary, and the run ends (no client
+    process crashes and leaves the parent waiting)."""
+    from flashrec_core.bench.load import closed_loop, open_loop
+    from flashrec_core.testing.server_process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    bodies = [{"prompt": "w1", "n": 1, "max_tokens": 3}] * 6
+    for run in (closed_loop(url, bodies, concurrency=4, processes=2),
+                open_loop(url, bodies, rate=100.0, processes=2)):  # fmt: skip
+        assert (run["sent"], run["errors"], run["throughput_rps"]) == (6, 6, 0.0), run
+        assert run["latency_p50_ms"] is None

@@ -291,7 +291,8 @@ def test_cli_models_json(fake_plugins: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip().endswith("no torch"), "`flashrec models` must not import torch"
+    lines = proc.stderr.splitlines()  # other lines (a warning at exit) do not matter here
+    assert "no torch" in lines, f"`flashrec models` must not import torch; stderr: {lines[-5:]}"
     rows = json.loads(proc.stdout)
     assert isinstance(rows, list)
     assert all(set(row) == PLUGIN_KEYS for row in rows), rows

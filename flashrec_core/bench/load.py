@@ -127,21 +127,20 @@ def _run_split(url: str, api_key: str | None, shares: list[_Share]) -> _Sent:
     for proc in procs:
         proc.start()
     try:
-        try:
-            go.wait(timeout=120)
-        except threading.BrokenBarrierError:
-            codes = [proc.exitcode for proc in procs]
-            raise RuntimeError(f"the load client processes did not start (exit codes {codes}; "
-                               "their tracebacks are above)") from None  # fmt: skip
+        go.wait(timeout=120)
         parts = [out.get(timeout=3600) for _ in procs]
-        failed = [p for p in parts if isinstance(p, str)]
-        if failed:
-            raise RuntimeError(f"a load client process failed: {failed[0]}")
+    except threading.BrokenBarrierError:
+        codes = [proc.exitcode for proc in procs]
+        raise RuntimeError(f"the load client processes did not start (exit codes {codes}; "
+                           "their tracebacks are above)") from None  # fmt: skip
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise RuntimeError(f"a load client process failed: {failed[0]}")
     return _Sent(
         min(p.start for p in parts), max(p.end for p in parts),
         [x for p in parts for x in p.latencies], [c for p in parts for c in p.codes],
@@ -260,21 +259,26 @@ def run_server_bench(
     which puts the saturation run's share of it in the result. `progress(result)` after each
     phase: a run cut short keeps what it measured."""
     report = progress or (lambda _: None)
+
+    def viewed(run: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`run(url, *args, **kwargs)` with the server's view of it over the load's own window
+        (client processes start before that window opens)."""
+        before = _engine_totals(url, api_key)
+        out = run(url, *args, **kwargs)
+        out["engine"] = _engine_view(before, _engine_totals(url, api_key), out["seconds"])
+        return out
+
     result: dict[str, Any] = {"path": "server", "n": n}
     singles = completion_bodies(prompts(0)[:22], n)
     unloaded(url, singles[:2], api_key)  # warm-up, not counted
-    before = _engine_totals(url, api_key)
-    single = unloaded(url, singles[2:], api_key)
     # where one request's time goes: the server's latency, its queue / prefill / decode
-    single["engine"] = _engine_view(before, _engine_totals(url, api_key), single.pop("seconds"))
+    single = viewed(unloaded, singles[2:], api_key)
+    del single["seconds"]
     result.update(single)
     report(result)
-    # the engine's view over the load's own window (client processes start before it opens)
-    before = _engine_totals(url, api_key)
-    sat = closed_loop(
-        url, completion_bodies(prompts(1), n), saturation_concurrency, api_key, processes
+    sat = viewed(
+        closed_loop, completion_bodies(prompts(1), n), saturation_concurrency, api_key, processes
     )
-    sat["engine"] = _engine_view(before, _engine_totals(url, api_key), sat["seconds"])
     if floor is not None:
         sent = prompts(1)
         sat["roofline_requests_per_s"] = len(sent) / floor(sent)
@@ -285,9 +289,7 @@ def run_server_bench(
     for i, rate in enumerate(rates):
         rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
         bodies = completion_bodies(prompts(2 + i), n)
-        before = _engine_totals(url, api_key)
-        run = open_loop(url, bodies, rps, api_key, seed=i, processes=processes)
-        run["engine"] = _engine_view(before, _engine_totals(url, api_key), run["seconds"])
+        run = viewed(open_loop, bodies, rps, api_key, seed=i, processes=processes)
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
         report(result)
     return result

@@ -96,7 +96,7 @@ class ServedModel:
     """What the floor of a served model depends on beyond its shape: the bytes a forward reads
     for weights (the LM head excluded: the restricted head reads only the SID rows), the KV
     element size, whether beam steps read each prompt once (cascade), and the scheduler's
-    budgets that pack requests into waves. `Engine.roofline_inputs` gives it; the server's
+    budgets that pack requests into waves. `served_model(engine)` gives it; the server's
     model card carries it for `flashrec bench --server`."""
 
     weight_bytes: float

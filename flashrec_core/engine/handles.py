@@ -113,6 +113,5 @@ class LoopStats:
     waves_admitted: int = 0
     requests_admitted: int = 0
     busy_seconds: float = 0.0  # inside run_once: the engine thread's working time
-    kv_slots_peak_used: int = (
-        0  # the most slots requests in flight held at once (after an admission)
-    )
+    kv_slots_used: int = 0  # held by requests in flight (neither free nor cached)
+    kv_slots_peak_used: int = 0  # the most kv_slots_used since start (after an admission)

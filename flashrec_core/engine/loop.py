@@ -186,6 +186,7 @@ class EngineLoop:
             waves_admitted=self._waves_admitted,
             requests_admitted=self._requests_admitted,
             busy_seconds=self._busy_s,
+            kv_slots_used=self._kv_used(),
             kv_slots_peak_used=self._peak_kv_used,
         )
 

@@ -37,10 +37,7 @@ class _EngineCollector(Collector):
             "kv_slots_total": ("token slots of the KV pool", s.kv_slots_total),
             "kv_slots_free": ("KV slots neither in use nor cached", s.kv_slots_free),
             "kv_slots_cached": ("KV slots held by the prefix cache", s.kv_slots_cached),
-            "kv_slots_used": (
-                "KV slots held by requests in flight",
-                s.kv_slots_total - s.kv_slots_free - s.kv_slots_cached,
-            ),
+            "kv_slots_used": ("KV slots held by requests in flight", s.kv_slots_used),
             "kv_slots_peak_used": (
                 "the most KV slots requests in flight held at once since start (what a pool "
                 "needs for this traffic, besides the prefix cache)",

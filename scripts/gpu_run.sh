@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -147,6 +147,10 @@ for what in "${@:-tests}"; do
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ensure_checkpoint
       timeout "$(left)" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
+    request-profile)  # one unloaded request: host time, GPU kernels, launches, blocking calls
+      ensure_checkpoint
+      timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" 2>&1 | grep -v "^USDT"
+      gzip -f "$out"/trace_request_*.json ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load
       ensure_checkpoint
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \

@@ -178,6 +178,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
+    p.add_argument(
+        "--prefill-graph-tokens", type=int, default=8192, metavar="T",
+        help="replay prefills of up to T new tokens as CUDA graphs (0: always eager)",
+    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -253,6 +257,7 @@ _ENGINE_FLAGS = {
     "max_requests": "max_requests",
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
+    "prefill_graph_tokens": "prefill_graph_tokens",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",

@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and a beam-step attention path that captures (FlashInfer, or the Triton
     beam kernel over any backend), else steps run eagerly (logged)."""
+    prefill_graph_tokens: int = Field(default=8192, ge=0)
+    """Prefills of up to this many new tokens (from up to 16 requests) replay a CUDA graph of the
+    model forward (engine/prefill_graph.py); larger ones, GPU-bound, run eagerly. 0: never."""
     max_requests: int = Field(default=1024, gt=0)
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""

@@ -44,6 +44,10 @@ class AttentionBackend(Protocol):
         """Fixed-address state for one captured beam-step shape (supports_graphs only)."""
         ...
 
+    # Optional: backends with `supports_prefill_graphs = True` also implement
+    # `prefill_graph_attention(num_sequences, max_tokens)`, the fixed-address state of a captured
+    # prefill of that many sequences, planned through `plan(step, graph=...)`.
+
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
     ) -> torch.Tensor:

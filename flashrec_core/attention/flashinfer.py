@@ -18,6 +18,8 @@ slower (measured on an H200: 2.0 ms vs 0.35 ms per layer at 8,000 beams).
 
 CUDA graphs: `graph_attention(num_requests, num_rows)` returns wrappers built in FlashInfer's
 CUDA-graph mode over fixed index buffers; `plan(step, graph=...)` fills them before a replay.
+`prefill_graph_attention(num_sequences, max_tokens)` does the same for a prompt prefill of a
+fixed sequence count (engine/prefill_graph.py pads prefills to it).
 
 Per-layer specs (contract v2): each distinct `AttentionSpec` (a `LayerGroups` group) gets its own
 wrappers, planned once per step with its scale, `logits_soft_cap` and `window_left = W - 1`
@@ -35,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
+from flashrec_core.attention.step import StepInput
 from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
-    from flashrec_core.attention.step import StepInput
     from flashrec_core.layers.batch import ForwardBatch
 
 MIN_WORKSPACE_BYTES = 256 << 20
@@ -82,6 +84,17 @@ class GraphAttention:
     per_group: tuple[GraphWrappers, ...]
 
 
+@dataclass(frozen=True)
+class PrefillGraphAttention:
+    """Graph-mode prefill wrappers (one per layer group) for `num_sequences` sequences of up to
+    `max_tokens` tokens in all. They plan into the index buffers the cascade prefix graphs use
+    (one graph replays at a time, and each plan is queued right before its replay)."""
+
+    num_sequences: int
+    max_tokens: int
+    per_group: tuple[Any, ...]
+
+
 @dataclass
 class _Wrappers:
     """One layer group's eager wrappers (prefill, flat decode, cascade prefix and suffix)."""
@@ -95,6 +108,7 @@ class _Wrappers:
 class FlashInferAttentionBackend:
     name = "flashinfer"
     supports_graphs = True
+    supports_prefill_graphs = True
 
     def __init__(
         self,
@@ -167,8 +181,14 @@ class FlashInferAttentionBackend:
             logits_soft_cap=spec.logit_softcap, window_left=-1 if window is None else window - 1,
         )  # fmt: skip
 
-    def plan(self, step: StepInput, graph: GraphAttention | None = None) -> GroupedMetadata:
+    def plan(
+        self, step: StepInput, graph: GraphAttention | PrefillGraphAttention | None = None
+    ) -> GroupedMetadata:
         """One plan per layer group (see `_plan_group`)."""
+        if isinstance(graph, PrefillGraphAttention):
+            return GroupedMetadata(
+                tuple(self._plan_prefill(step, g, w) for g, w in enumerate(graph.per_group))
+            )
         return GroupedMetadata(
             tuple(
                 self._plan_group(step, g, None if graph is None else graph.per_group[g])
@@ -212,14 +232,50 @@ class FlashInferAttentionBackend:
                 hq, hkv, d, 1, **self._common(spec),
             )  # fmt: skip
             return FlashInferMetadata("decode", flat)
-        assert graph is None, "prefill steps are never captured"
+        assert graph is None, "prefill graphs plan through PrefillGraphAttention"
+        return self._plan_prefill(step, g, eager.prefill)
+
+    def _plan_prefill(self, step: StepInput, g: int, wrapper: Any) -> FlashInferMetadata:
+        hq, hkv, d = self.shape
         self._plan(
-            eager.prefill,
+            wrapper,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
-            _i32(step.flat_kv_indices(), self.device), _ones(num_seq), hq, hkv, d, 1,
-            causal=True, **self._common(spec),
+            _i32(step.flat_kv_indices(), self.device), _ones(step.qo_indptr.numel() - 1),
+            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]),
         )  # fmt: skip
-        return FlashInferMetadata("prefill", eager.prefill)
+        return FlashInferMetadata("prefill", wrapper)
+
+    def prefill_graph_attention(self, num_sequences: int, max_tokens: int) -> PrefillGraphAttention:
+        """Graph-mode prefill wrappers for `num_sequences` sequences, sized by one plan of
+        `max_tokens` pad tokens: FlashInfer fixes a graph-mode wrapper's launch grid at its first
+        plan, so every later plan of up to `max_tokens` tokens fits the kernels it captured."""
+        _, max_requests, max_context, _ = self.limits
+        if max_tokens > max(max_requests * max_context, 1):
+            raise ValueError(f"{max_tokens} prefill tokens exceed the index buffer")
+        fi, b = self._fi, num_sequences
+        wrappers = tuple(
+            fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=buf["prefix_qo"][: b + 1],
+                paged_kv_indptr_buf=buf["prefix_kv"][: b + 1],
+                paged_kv_indices_buf=buf["prefix_idx"],
+                paged_kv_last_page_len_buf=buf["ones"][:b],
+            )  # fmt: skip
+            for buf in self._buffers()
+        )
+        graph = PrefillGraphAttention(num_sequences, max_tokens, wrappers)
+        ptr = torch.arange(b + 1, dtype=torch.int64)
+        ptr[-1] = max_tokens  # b - 1 one-token sequences, the last takes the rest
+        sizing = StepInput(
+            input_ids=torch.zeros(max_tokens, dtype=torch.int64),
+            positions=torch.zeros(max_tokens, dtype=torch.int64),
+            out_cache_loc=torch.zeros(max_tokens, dtype=torch.int64),
+            qo_indptr=ptr, kv_indptr=ptr, kv_indices=torch.zeros(max_tokens, dtype=torch.int64),
+        )  # fmt: skip
+        self.plan(sizing, graph=graph)
+        return graph
 
     def graph_attention(self, num_requests: int, num_rows: int) -> GraphAttention:
         """CUDA-graph-mode wrappers for one shape, per layer group. Index buffers are views of

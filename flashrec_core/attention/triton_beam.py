@@ -70,15 +70,17 @@ class TritonBeamAttention:
         self.name = f"{inner.name}+triton-beam"
         self.device = device
         self.supports_graphs = device.type == "cuda"
+        self.supports_prefill_graphs = getattr(inner, "supports_prefill_graphs", False)
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.limits = (max_rows, max_prompt_slots, max_suffix)
         self._graph_buffers: tuple[dict[str, torch.Tensor], ...] | None = None
 
-    def plan(self, step: StepInput, graph: BeamKernelGraph | None = None) -> Any:
+    def plan(self, step: StepInput, graph: Any = None) -> Any:
+        """Beam steps plan for the kernel (`graph`: a `BeamKernelGraph`); every other step,
+        prefill graphs included, plans in the wrapped backend."""
         sp = step.shared_prefix
         if sp is None:
-            assert graph is None, "only beam steps are captured"
-            return self.inner.plan(step)
+            return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
         rows = step.out_cache_loc.numel()
         suffix_len = sp.suffix_kv_indices.numel() // max(rows, 1)
         return BeamKernelPlan(
@@ -139,6 +141,10 @@ class TritonBeamAttention:
                 for _ in self.groups.specs
             )
         return BeamKernelGraph(num_requests, num_rows, self._graph_buffers)
+
+    def prefill_graph_attention(self, num_sequences: int, max_tokens: int) -> Any:
+        """Prefill runs in the wrapped backend, so do its graphs."""
+        return self.inner.prefill_graph_attention(num_sequences, max_tokens)
 
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch

@@ -119,7 +119,7 @@ def bench_engine(
     runner = engine.runner
     ecfg = runner.loaded.engine_config
     floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
-    graphs = engine.wave.graphs
+    graphs, prefill = engine.wave.graphs, engine.wave.prefill_graphs
     return {
         "path": "Engine.generate",
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
@@ -139,6 +139,8 @@ def bench_engine(
         "short_results": sum(len(r.choices) < n for r in results),
         "graph_replays": graphs.stats.replays if graphs else 0,
         "eager_steps": graphs.stats.eager_steps if graphs else None,
+        "prefill_replays": prefill.stats.replays if prefill else 0,
+        "eager_prefills": prefill.stats.eager if prefill else None,
         "exclude_items": exclude_items,
         "allow_items": allow_items,
         "filter_categories": filter_categories,

@@ -22,7 +22,8 @@ from flashrec_core.config import triton_usable
 from flashrec_core.engine.beam_inputs import NoiseSource, StepShape, prepare_beam_decode
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
-from flashrec_core.engine.model_runner import ModelRunner, prepare_prefill
+from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
+from flashrec_core.engine.prefill_graph import PrefillGraphs
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
@@ -108,6 +109,8 @@ class BeamWave:
         self.selector = BeamSelector(head, trie_kernel)
         self.graphs = DecodeGraphs.create(runner, self.selector, trie)
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
+        self.prefill_graphs = PrefillGraphs.create(runner)
+        """CUDA graphs of small prefills' forwards; None when prefills always run eagerly."""
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()
         self._eager_padding: Callable[[list[int]], int] | None = None  # see eager_steps
@@ -117,15 +120,15 @@ class BeamWave:
     def eager_steps(
         self, pad_to: Callable[[list[int]], int] | None = None
     ) -> Iterator[None]:  # fmt: skip
-        """Beam steps run eagerly inside the block (graphs off), each wave padded to
-        `pad_to(widths)` requests when given: the graph path's padding without its replays
+        """Beam steps and prefills run eagerly inside the block (graphs off), each wave padded
+        to `pad_to(widths)` requests when given: the graph path's padding without its replays
         (tests and diagnostics that name which path diverged)."""
-        graphs, padding = self.graphs, self._eager_padding
-        self.graphs, self._eager_padding = None, pad_to
+        graphs, prefill, padding = self.graphs, self.prefill_graphs, self._eager_padding
+        self.graphs, self.prefill_graphs, self._eager_padding = None, None, pad_to
         try:
             yield
         finally:
-            self.graphs, self._eager_padding = graphs, padding
+            self.graphs, self.prefill_graphs, self._eager_padding = graphs, prefill, padding
 
     @contextmanager
     def recording(self) -> Iterator[list[tuple[str, torch.cuda.Event]]]:
@@ -314,8 +317,7 @@ class BeamWave:
         # device-to-host sync per request. Every upload is non-blocking for the same reason.
         self._mark("start")
         step = prepare_prefill(prompts, state.prompt_slots, state.cached_lens)
-        last = (step.qo_indptr[1:] - 1).to(device, non_blocking=True)
-        hidden = self.runner.forward(step)[last]
+        hidden = self._prefill_forward(step)
         zeros = torch.zeros(len(requests), device=device)
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
         state.sel = self._select(
@@ -328,6 +330,15 @@ class BeamWave:
         state.prompts = torch.cat(state.prompt_slots).to(device, non_blocking=True)  # once
         state.level = 1
         self._mark("prefill")
+
+    def _prefill_forward(self, step: StepInput) -> torch.Tensor:
+        """Hidden states of each prompt's last token: by graph replay for small prefills."""
+        last = (step.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
+        if self.prefill_graphs is not None:
+            hidden = self.prefill_graphs.run(step, last)
+            if hidden is not None:
+                return hidden
+        return self.runner.forward(step)[last]
 
     def advance(self, state: WaveState) -> None:
         """One beam step (level state.level), by graph replay where the wave's shape allows."""

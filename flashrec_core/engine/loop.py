@@ -34,8 +34,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,6 +63,7 @@ from flashrec_core.engine.results import HostBeams, assemble_results, copy_to_ho
 from flashrec_core.kvcache import OutOfSlotsError
 
 logger = logging.getLogger("flashrec")
+T = TypeVar("T")
 
 
 @dataclass
@@ -89,6 +92,7 @@ class EngineLoop:
         self.decoder = decoder
         self.limits = limits
         self._queue: deque[RequestHandle] = deque()
+        self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # see `call`
         self._waves: list[_Wave] = []
         self._finished: list[_Finished] = []  # within one iteration: step -> results
         self._cv = threading.Condition()
@@ -161,6 +165,27 @@ class EngineLoop:
             self._cv.notify_all()
         return handle
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread at the next step boundary and return its result (its
+        exception is raised here): device work outside requests, such as capturing graphs, must
+        not race the thread that owns the device. Without a running thread it runs here."""
+        if not self.running:
+            with self._drive:
+                return fn()
+        future: Future = Future()
+        with self._cv:
+            self._tasks.append((fn, future))
+            self._cv.notify_all()
+        return future.result()
+
+    def _run_tasks(self) -> None:
+        while self._tasks:
+            fn, future = self._tasks.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
     def wake(self) -> None:
         """Wake the loop thread (after a cancel) so it retires the request promptly."""
         with self._cv:
@@ -192,7 +217,7 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._waves and not self._finished
+        return not self._queue and not self._waves and not self._finished and not self._tasks
 
     # -- the thread -----------------------------------------------------------------------
 
@@ -249,6 +274,7 @@ class EngineLoop:
     def run_once(self) -> None:
         """Retire, step, admit, results (module docstring)."""
         with self._drive:
+            self._run_tasks()
             now = time.monotonic()
             self._retire(now)
             for wave in list(self._waves):

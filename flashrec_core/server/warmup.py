@@ -2,7 +2,8 @@
 width once at every request count the CUDA graphs are captured for, unfiltered and (with a
 catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them.
 The waves go through the engine loop like any request, so a reload's warm-up interleaves with
-live traffic. On CPU, where there are no graphs, one request per width."""
+live traffic. Prefill graphs do not depend on the catalog: the first warm-up captures them all.
+On CPU, where there are no graphs, one request per width."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def warm_up(
             for item_filter in filters:
                 request = GenerationRequest(prompt, n, item_filter=item_filter, catalog=version)
                 plan += [(request, count) for count in counts]
+    prefill = engine.wave.prefill_graphs
+    if prefill is not None and versions is None:
+        engine.loop.call(lambda: prefill.capture_all(progress))  # on the engine thread
     for request, count in tqdm(plan, desc="warm-up", unit="wave", disable=not (plan and progress)):
         engine.generate([request] * count)
     return len(plan)

@@ -148,7 +148,9 @@ class GpuConformance:
     ) -> None:
         path, _ = _gpu_checkpoint(tiny_checkpoint, self.spec, example)
         catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=6))
-        graphs = _engine(path, catalog, "cuda", "none")
+        # decode-step graphs only: a prefill graph pads the prompt's rows to a bucket, and GEMMs
+        # of another row count round differently (its own tests bound that against transformers)
+        graphs = _engine(path, catalog, "cuda", "none", prefill_graph_tokens=0)
         eager = _engine(path, catalog, "cuda", "none", cuda_graphs=False)
         prompt = long_text_prompt(graphs.runner.config)
         [a] = graphs.generate([graphs.make_request(prompt=prompt, n=8)])

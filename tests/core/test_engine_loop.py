@@ -358,3 +358,27 @@ def test_a_future_cancelled_by_its_client_leaves_the_other_requests_alone(
     assert_same_ranking(ranking(kept.future.result()), ranking(alone), ATOL_SAME_ENGINE)
     assert gone.future.cancelled()
     assert_idle(engine)
+
+
+def test_call_runs_on_the_engine_thread_and_returns_or_raises(checkpoint: Path) -> None:
+    """Device work outside requests (graph capture at warm-up) runs on the thread that owns the
+    device, between steps; without a thread it runs in the caller."""
+    import threading
+
+    engine = make_engine(checkpoint)
+    loop = engine.loop
+    assert loop.call(lambda: threading.current_thread().name) == threading.current_thread().name
+    loop.start()
+    try:
+        assert loop.call(lambda: threading.current_thread().name) == "flashrec-engine"
+
+        def broken() -> None:
+            raise ValueError("task failed")
+
+        with pytest.raises(ValueError, match="task failed"):
+            loop.call(broken)
+        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])  # still serving
+        assert len(result.choices) == 4
+    finally:
+        loop.stop(grace_s=5)
+    assert_idle(engine)

@@ -10,6 +10,7 @@ import torch
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.registry import Registry
 from flashrec_core.search.beam import BeamLayout
 from flashrec_core.search.filters import FilterMasks
@@ -74,6 +75,34 @@ def test_replay_equals_the_eager_step_exactly(engine: Engine) -> None:
     assert graphs.stats.captures == 1 and graphs.stats.replays == 3
 
 
+def test_prefill_replay_equals_the_eager_prefill_exactly(engine: Engine) -> None:
+    """A prefill graph replay == the same padded forward run eagerly on the same buffers and plan,
+    for fresh and partly cached prompts; one capture serves every replay of its shape."""
+    prefill = engine.wave.prefill_graphs
+    assert prefill is not None
+    runner, gen = engine.runner, torch.Generator().manual_seed(5)
+    captures = prefill.stats.captures
+    for seed, cached in enumerate((False, True, True)):
+        prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (37, 90, 12)]
+        slots = [runner.allocator.alloc(len(p)) for p in prompts]
+        try:
+            if cached:
+                runner.forward(prepare_prefill(prompts, slots))
+            step = prepare_prefill(prompts, slots, [10, 45, 3] if cached else None)
+            last = (step.qo_indptr[1:] - 1).to(runner.device)
+            replayed = prefill.run(step, last)
+            eager = prefill.run_uncaptured(step, last)
+            assert replayed is not None and torch.equal(replayed, eager), f"seed {seed}"
+            unpadded = runner.forward(step)[last]  # GEMMs of another row count: bf16 rounding
+            assert (replayed.float() - unpadded.float()).abs().max() < 0.05 * unpadded.abs().max()
+        finally:
+            for s in slots:
+                runner.allocator.free(s)
+    assert (
+        prefill.stats.captures - captures <= 1
+    )  # (128 tokens, 5 sequences), maybe captured before
+
+
 BF16_BOUND = 0.3
 """2 x the BF16 torch path's own worst error on these tiny models (0.14, measured on CPU against
 fp32 transformers; see test_gpu_engine) + 0.02. A wrong plan or slot gives whole nats."""
@@ -94,6 +123,8 @@ def test_padded_and_cached_waves_score_like_transformers(engine_and_hf, mode: st
     with engine.wave.eager_steps(pad_to=lambda widths: 4) if mode == "eager" else nullcontext():
         for run in ("uncached", "cached"):
             before = graphs.stats.replays
+            prefill = engine.wave.prefill_graphs
+            prefills_before = prefill.stats.replays if prefill is not None else 0
             for req, res in zip(reqs, engine.generate(reqs)):
                 for c in res.choices:
                     exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
@@ -107,6 +138,8 @@ def test_padded_and_cached_waves_score_like_transformers(engine_and_hf, mode: st
                 assert gap < BF16_BOUND, f"{mode}, {run}: beams worse than transformers' by {gap}"
             replays = graphs.stats.replays - before
             assert replays == (len(LEVELS) - 1 if mode == "graphs" else 0)
+            if mode == "graphs":  # the three prompts' prefill replayed its graph too
+                assert prefill is not None and prefill.stats.replays - prefills_before == 1
 
 
 def test_sampling_waves_fall_back_to_eager_and_say_why(engine: Engine) -> None:

@@ -1,0 +1,239 @@
+"""CUDA graphs of the prompt prefill forward, for the small prefills that launches dominate.
+
+Why: run eagerly, one 1,024-token prefill of a 28-layer model issues about 400 kernel launches
+from Python; on an H200 the host needed ~28 ms to issue them while the GPU needed ~10 ms to run
+them (scripts/profile_request.py, docs/benchmarks.md). An unloaded request, and the small waves
+an online server admits at moderate load, wait on the host. A replay issues the whole forward in
+one call.
+
+Shapes. A graph is captured per (token bucket T, sequence bucket B): the model's GEMMs have a
+fixed row count, FlashInfer's graph-mode prefill a fixed batch size. A prefill of t new tokens
+from r requests replays the smallest captured shape with B > r and T >= t + (B - r); its B - r
+pad sequences take the T - t spare tokens (one token each, the last one the rest). Pad tokens
+write and read only the pad slot (`KVPool.PAD_SLOT`) and their hidden states are never read:
+attention never crosses sequences and every other layer works per token. Prefills larger than
+the largest bucket (`EngineConfig.prefill_graph_tokens`) or with more than
+`SEQUENCE_BUCKETS[-1] - 1` requests run eagerly: their kernels, not their launches, take the time.
+
+The attention plan stays outside the graph (host scheduling into fixed index buffers, as for the
+decode graphs), and so does the first beam selection after the prefill. All graphs share one
+memory pool: a replay's output is gathered (copied) before the next replay, so graphs may reuse
+each other's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from flashrec_core.attention.step import StepInput
+from flashrec_core.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from flashrec_core.engine.model_runner import ModelRunner
+
+logger = logging.getLogger("flashrec")
+
+TOKEN_BUCKETS = (128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+"""Token counts a prefill graph is captured for, up to `EngineConfig.prefill_graph_tokens`.
+Steps of 1,024 tokens or more waste at most a third of a bucket on pad tokens."""
+SEQUENCE_BUCKETS = (2, 3, 5, 9, 17)
+"""Sequence counts: 1, 2, 4, 8 or 16 requests plus at least one pad sequence."""
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The token buckets up to `max_tokens`, which is always one (a setting between buckets)."""
+    if max_tokens <= 0:
+        return []
+    return sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
+
+
+def prefill_shape(tokens: int, requests: int, buckets: list[int]) -> tuple[int, int] | None:
+    """(T, B) of the graph a prefill of `tokens` new tokens from `requests` requests replays, or
+    None (it runs eagerly)."""
+    for sequences in SEQUENCE_BUCKETS:
+        if sequences > requests:
+            need = tokens + sequences - requests
+            fits = [t for t in buckets if t >= need]
+            return (fits[0], sequences) if fits else None
+    return None
+
+
+def pad_prefill(step: StepInput, tokens: int, sequences: int) -> StepInput:
+    """`step` grown to `tokens` tokens in `sequences` sequences by pad sequences over the pad
+    slot (see the module docstring); the real sequences keep their tokens, rows and indices."""
+    real_tokens, real = step.input_ids.numel(), step.qo_indptr.numel() - 1
+    pads, spare = sequences - real, tokens - real_tokens
+    if pads < 1 or spare < pads:
+        raise ValueError(
+            f"{real} sequences of {real_tokens} tokens do not pad to {sequences} x {tokens}"
+        )
+    lens = torch.ones(pads, dtype=torch.int64)
+    lens[-1] = spare - (pads - 1)
+    ends = torch.cumsum(lens, 0)
+    pad_slots = torch.full((spare,), KVPool.PAD_SLOT, dtype=torch.int64)
+    zeros = torch.zeros(spare, dtype=torch.int64)
+    return StepInput(
+        input_ids=torch.cat([step.input_ids, zeros]),
+        positions=torch.cat([step.positions, zeros]),
+        out_cache_loc=torch.cat([step.out_cache_loc, pad_slots]),
+        qo_indptr=torch.cat([step.qo_indptr, step.qo_indptr[-1] + ends]),
+        kv_indptr=torch.cat([step.kv_indptr, step.kv_indptr[-1] + ends]),
+        kv_indices=torch.cat([step.flat_kv_indices(), pad_slots]),
+    )
+
+
+@dataclass
+class PrefillGraphStats:
+    replays: int = 0
+    eager: int = 0  # prefills with no captured shape (too large, too many requests, failed)
+    captures: int = 0
+    capture_seconds: float = 0.0
+    failed: dict[tuple[int, int], str] = field(default_factory=dict)  # shape -> why
+
+
+@dataclass
+class _PrefillGraph:
+    graph: torch.cuda.CUDAGraph
+    attention: Any  # the backend's PrefillGraphAttention for this sequence count
+    output: torch.Tensor  # hidden states [T, H], overwritten by each replay
+    body: Any  # the captured forward, callable eagerly on the same buffers
+
+
+class PrefillGraphs:
+    """Captured prefill forwards of one engine; see the module docstring."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int) -> None:
+        self.runner = runner
+        self.buckets = token_buckets(max_tokens)
+        self.stats = PrefillGraphStats()
+        self._graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._attention: dict[int, Any] = {}  # sequence count -> wrappers, shared by every T
+        self._pool = torch.cuda.graph_pool_handle()
+        dev, most = runner.device, self.buckets[-1]
+        with torch.inference_mode():
+            self._ids = torch.zeros(most, dtype=torch.int64, device=dev)
+            self._pos = torch.zeros(most, dtype=torch.int64, device=dev)
+            self._loc = torch.zeros(most, dtype=torch.int64, device=dev)
+
+    @classmethod
+    def create(cls, runner: ModelRunner) -> PrefillGraphs | None:
+        """The engine's prefill graphs, or None (logged) when prefills always run eagerly."""
+        cfg = runner.loaded.engine_config
+        reason = None
+        if not cfg.cuda_graphs or cfg.prefill_graph_tokens == 0:
+            reason = "cuda_graphs=False" if not cfg.cuda_graphs else "prefill_graph_tokens=0"
+        elif runner.device.type != "cuda":
+            reason = f"device is {runner.device.type}"
+        elif not getattr(runner.attn_backend, "supports_prefill_graphs", False):
+            reason = f"the {runner.attn_backend.name} attention backend cannot capture prefills"
+        if reason is not None:
+            logger.info("prefill CUDA graphs off (%s): prefills run eagerly", reason)
+            return None
+        return cls(runner, cfg.prefill_graph_tokens)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (T, B) this engine captures, largest first."""
+        return [
+            (t, b) for t in reversed(self.buckets) for b in reversed(SEQUENCE_BUCKETS) if t >= b
+        ]
+
+    def run(self, step: StepInput, last: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states at the token positions `last` (device indices into the step's tokens),
+        by replay; None when the step has no graph (the caller runs it eagerly)."""
+        return self._forward(step, last, replay=True)
+
+    def run_uncaptured(self, step: StepInput, last: torch.Tensor) -> torch.Tensor | None:
+        """The same forward on the same padded buffers and plan, executed eagerly: what a
+        replay must equal exactly (tests)."""
+        return self._forward(step, last, replay=False)
+
+    def capture_all(self, progress: bool = True) -> int:
+        """Capture every shape not captured yet, largest first (the server's warm-up), over pad
+        sequences only; returns how many were captured."""
+        todo = [s for s in self.shapes() if s not in self._graphs and s not in self.stats.failed]
+        empty = StepInput(
+            input_ids=torch.zeros(0, dtype=torch.int64), positions=torch.zeros(0, dtype=torch.int64),
+            out_cache_loc=torch.zeros(0, dtype=torch.int64), qo_indptr=torch.zeros(1, dtype=torch.int64),
+            kv_indptr=torch.zeros(1, dtype=torch.int64), kv_indices=torch.zeros(0, dtype=torch.int64),
+        )  # fmt: skip
+        for tokens, sequences in tqdm(
+            todo, desc="prefill graphs", unit="graph", disable=not progress
+        ):
+            self._graph((tokens, sequences), pad_prefill(empty, tokens, sequences))
+        return len(todo)
+
+    def _forward(self, step: StepInput, last: torch.Tensor, replay: bool) -> torch.Tensor | None:
+        shape = prefill_shape(step.input_ids.numel(), step.qo_indptr.numel() - 1, self.buckets)
+        graph = None
+        if shape is not None and shape not in self.stats.failed:
+            padded = pad_prefill(step, *shape)
+            graph = self._graph(shape, padded)
+        if graph is None:
+            self.stats.eager += 1
+            return None
+        if replay:
+            graph.graph.replay()
+            self.stats.replays += 1
+            return graph.output[last]
+        return graph.body()[last]
+
+    def _graph(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph | None:
+        """The graph of `shape` with `padded` loaded into its inputs and planned (captured on
+        first use); None if it cannot be captured (the reason is kept and logged once)."""
+        tokens, sequences = shape
+        with torch.inference_mode():
+            self._ids[:tokens].copy_(padded.input_ids, non_blocking=True)
+            self._pos[:tokens].copy_(padded.positions, non_blocking=True)
+            self._loc[:tokens].copy_(padded.out_cache_loc, non_blocking=True)
+        graph = self._graphs.get(shape)
+        if graph is not None:
+            self.runner.attn_backend.plan(padded, graph=graph.attention)
+            return graph
+        try:
+            return self._capture(shape, padded)
+        except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, buffer limits
+            why = f"capture of the {sequences} x {tokens}-token prefill failed: {exc}"
+            self.stats.failed[shape] = why
+            logger.warning("prefill runs eagerly: %s", why)
+            return None
+
+    def _capture(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph:
+        tokens, sequences = shape
+        start = time.perf_counter()
+        attention = self._attention.get(sequences)
+        if attention is None:
+            backend = self.runner.attn_backend
+            attention = backend.prefill_graph_attention(sequences, self.buckets[-1])
+            self._attention[sequences] = attention
+        metadata = self.runner.attn_backend.plan(padded, graph=attention)
+
+        def body() -> torch.Tensor:
+            return self.runner.forward_batch(
+                self._ids[:tokens], self._pos[:tokens], self._loc[:tokens], metadata
+            )
+
+        # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
+        # K/V of the real tokens, as the replay will, so it is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = body()
+        captured = _PrefillGraph(graph, attention, output, body)
+        self._graphs[shape] = captured
+        seconds = time.perf_counter() - start
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        logger.debug(
+            "captured prefill: %d sequences, %d tokens, in %.2f s", sequences, tokens, seconds
+        )
+        return captured

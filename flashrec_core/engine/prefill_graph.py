@@ -153,6 +153,7 @@ class PrefillGraphs:
         replay must equal exactly (tests)."""
         return self._forward(step, last, replay=False)
 
+    @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> int:
         """Capture every shape not captured yet, largest first (the server's warm-up), over pad
         sequences only; returns how many were captured."""
@@ -168,6 +169,7 @@ class PrefillGraphs:
             self._graph((tokens, sequences), pad_prefill(empty, tokens, sequences))
         return len(todo)
 
+    @torch.inference_mode()  # the graph buffers (also the decode graphs') are inference tensors
     def _forward(self, step: StepInput, last: torch.Tensor, replay: bool) -> torch.Tensor | None:
         shape = prefill_shape(step.input_ids.numel(), step.qo_indptr.numel() - 1, self.buckets)
         graph = None

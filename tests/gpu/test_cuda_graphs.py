@@ -83,7 +83,8 @@ def test_prefill_replay_equals_the_eager_prefill_exactly(engine: Engine) -> None
     runner, gen = engine.runner, torch.Generator().manual_seed(5)
     captures = prefill.stats.captures
     for seed, cached in enumerate((False, True, True)):
-        prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (37, 90, 12)]
+        vocab = runner.config.vocab_size
+        prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (37, 90, 12)]
         slots = [runner.allocator.alloc(len(p)) for p in prompts]
         try:
             if cached:

@@ -187,10 +187,7 @@ class FlashInferAttentionBackend:
         """One plan per layer group (see `_plan_group`)."""
         if isinstance(graph, PrefillGraphAttention):
             return GroupedMetadata(
-                tuple(
-                    self._plan_prefill(step, g, w, graph=True)
-                    for g, w in enumerate(graph.per_group)
-                )
+                tuple(self._plan_prefill(step, g, w) for g, w in enumerate(graph.per_group))
             )
         return GroupedMetadata(
             tuple(
@@ -238,18 +235,13 @@ class FlashInferAttentionBackend:
         assert graph is None, "prefill graphs plan through PrefillGraphAttention"
         return self._plan_prefill(step, g, eager.prefill)
 
-    def _plan_prefill(
-        self, step: StepInput, g: int, wrapper: Any, graph: bool = False
-    ) -> FlashInferMetadata:
-        """`graph`: no split-KV. A graph-mode plan sizes its grid for the most tokens it was
-        sized with, and split-KV then runs a merge over every row of that size (41 us a layer
-        at 8,192 rows for a 1,024-token prompt on an H200, more than the attention itself)."""
+    def _plan_prefill(self, step: StepInput, g: int, wrapper: Any) -> FlashInferMetadata:
         hq, hkv, d = self.shape
         self._plan(
             wrapper,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(step.qo_indptr.numel() - 1),
-            hq, hkv, d, 1, causal=True, disable_split_kv=graph, **self._common(self.groups.specs[g]),
+            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]),
         )  # fmt: skip
         return FlashInferMetadata("prefill", wrapper)
 

@@ -125,6 +125,8 @@ for what in "${@:-tests}"; do
       if [[ $what != e2e-server ]]; then
         timeout "$(left)" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
         timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
+        # n=1024, 16 requests, no manual flags (issue 14's third width)
+        timeout "$(left)" flashrec bench --engine "$ck" -n 1024 --requests 16 --out "$out/e2e_engine_n1024.json" 2>&1 | tail -22
       fi
       [[ $what == e2e-engine ]] && continue
       # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"

@@ -177,6 +177,7 @@ def beam_cascade_attention(
     max_rows_per_request: int,
     out: torch.Tensor | None = None,
     logit_softcap: float | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `beam_cascade_attention_ref`; no host syncs, so it captures in a graph.
 
@@ -184,6 +185,9 @@ def beam_cascade_attention(
     a request with more rows than max_rows_per_request gets only its first rows computed (the
     bound is the caller's invariant; the reference checks it). `out` ([R, Hq, D] bf16,
     contiguous) lets a graph keep its output buffer; otherwise a new one is allocated.
+    `num_splits` cuts each prompt into that many ranges run in parallel and merged (split-KV;
+    a power of two up to 16); by default it follows from the grid size and the GPU's SMs, so
+    that a step of one or a few requests still fills the GPU.
     """
     check_beam_attention_args(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, max_rows_per_request
@@ -198,6 +202,6 @@ def beam_cascade_attention(
 
     launch_beam_cascade_attention(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, sm_scale,
-        max_rows_per_request, out, logit_softcap=logit_softcap,
+        max_rows_per_request, out, logit_softcap=logit_softcap, num_splits=num_splits,
     )  # fmt: skip
     return out

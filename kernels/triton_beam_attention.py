@@ -7,6 +7,14 @@ sum and accumulator; exp2 with log2(e) folded into the scale) over the prompt sl
 chunks, then over each row's S own slots (per-row K/V vectors: elementwise products and row
 sums), then normalizes and stores bf16.
 
+Split-KV. A step of few requests launches few programs (one 50-beam request: 8, one per kv head,
+on a 132-SM H200: 51 us a layer, each program walking the whole prompt). `num_splits` > 1 cuts
+each request's prompt into that many contiguous ranges of whole BLOCK_N chunks, one program per
+range; each writes its unnormalized fp32 accumulator with its running max and sum, split 0 also
+folding in the rows' own slots, and `_merge_splits_kernel` combines them (the same rescaling as
+the online softmax). The split count depends only on the launch shape (`auto_num_splits`), so a
+CUDA graph captures and replays the same one whatever the prompt lengths.
+
 Under the interpreter, bf16 tl.dot and bf16 arithmetic are broken (triton-lang/triton#11584), so
 the dot operands are fp32 holding bf16-rounded values there: the same operand values as the bf16
 dot on a GPU (K/V from FP8 convert exactly; P is rounded to bf16 by `round_to_bf16`).
@@ -14,6 +22,7 @@ dot on a GPU (K/V from FP8 convert exactly; P is rounded to bf16 by `round_to_bf
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -23,7 +32,10 @@ import triton.language as tl
 from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, round_to_bf16
 
-__all__ = ["BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_WARPS", "launch_beam_cascade_attention"]
+__all__ = [
+    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "NUM_STAGES", "NUM_WARPS", "auto_num_splits",
+    "launch_beam_cascade_attention",
+]  # fmt: skip
 
 # Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
 # BLOCK_M packed (row, q head) pairs per program: 128 for head_dim <= 128 (a [128, D] fp32
@@ -34,6 +46,12 @@ BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
 _LOG2E = math.log2(math.e)
+MAX_SPLITS = 16
+"""Most prompt ranges per (request, kv head, tile): 16 x 64-slot chunks cover a 1,024-token
+prompt with one chunk per program; more would only add partials to merge."""
+_M_INIT = tl.constexpr(
+    -1.0e30
+)  # finite: exp2(m - m_new) never sees inf - inf; empty splits weigh 0
 
 
 @triton.jit
@@ -102,15 +120,17 @@ def _suffix_slot(
 @triton.jit
 def _beam_cascade_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, prefix_indptr_ptr, prefix_idx_ptr, row_indptr_ptr,
-    suffix_ptr, o_ptr,
+    suffix_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     q_stride_r, q_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h,
-    sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, qk_scale, cap_log2,
-    GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
+    sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, part_stride_split, qk_scale, cap_log2,
+    GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     row_start = tl.load(row_indptr_ptr + req)
     num_packed = (tl.load(row_indptr_ptr + req + 1) - row_start) * GROUP
     if tile * BLOCK_M >= num_packed:
@@ -124,43 +144,109 @@ def _beam_cascade_attention_kernel(
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D] bf16
     q_dot = _dot_operand(q, INTERPRET)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: exp2(m_i - m_new) never sees inf - inf
+    m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     prefix_start = tl.load(prefix_indptr_ptr + req)
     num_prefix = tl.load(prefix_indptr_ptr + req + 1) - prefix_start
+    # this program's prompt range [lo, hi): whole BLOCK_N chunks, the last split the remainder
+    per_split = tl.cdiv(tl.cdiv(num_prefix, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, num_prefix)
     idx_ptr = prefix_idx_ptr + prefix_start
     kc_head, vc_head = kv_head.to(tl.int64) * kc_stride_h, kv_head.to(tl.int64) * vc_stride_h
     if INTERPRET:
         # The interpreter cannot take a loaded scalar as a range() bound (int() of a 1-element
         # array fails under numpy >= 2.4); a while loop only needs its truth value.
-        n0 = 0
-        while n0 < num_prefix:
+        n0 = lo
+        while n0 < hi:
             m_i, l_i, acc = _prefix_chunk(
-                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head,
+                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
                 SOFTCAP,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
-        for n0 in range(0, num_prefix, BLOCK_N):  # a for loop, so the compiler pipelines loads
+        for n0 in range(lo, hi, BLOCK_N):  # a for loop, so the compiler pipelines loads
             m_i, l_i, acc = _prefix_chunk(
-                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head,
+                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
                 SOFTCAP,
             )  # fmt: skip
 
-    q_f32 = q.to(tl.float32)
-    for j in tl.static_range(S):
-        slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
-        m_i, l_i, acc = _suffix_slot(
-            q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
-            kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, SOFTCAP,
-        )  # fmt: skip
+    if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
+        q_f32 = q.to(tl.float32)
+        for j in tl.static_range(S):
+            slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
+            m_i, l_i, acc = _suffix_slot(
+                q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, SOFTCAP,
+            )  # fmt: skip
 
-    o = acc / l_i[:, None]
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        o_ptrs = o_ptr + rows[:, None] * o_stride_r + heads[:, None] * o_stride_h + offs_d[None, :]
+        tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
+    else:  # partials [SPLITS, R, HQ(, D)], contiguous
+        packed = split * part_stride_split + rows * HQ + heads  # [BLOCK_M] (row, head) index
+        tl.store(part_m_ptr + packed, m_i, mask=mask_m)
+        tl.store(part_l_ptr + packed, l_i, mask=mask_m)
+        acc_ptrs = part_acc_ptr + packed[:, None] * D + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=mask_m[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    row_indptr_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    o_stride_r, o_stride_h, part_stride_split,
+    GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Combine the splits' partials of one (request, kv head, tile), the attention kernel's
+    packing of rows and heads, and store bf16: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    row_start = tl.load(row_indptr_ptr + req)
+    num_packed = (tl.load(row_indptr_ptr + req + 1) - row_start) * GROUP
+    if tile * BLOCK_M >= num_packed:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_packed
+    rows = (row_start + offs_m // GROUP).to(tl.int64)
+    heads = kv_head * GROUP + offs_m % GROUP
+    offs_d = tl.arange(0, D)
+    m_all = tl.full([BLOCK_M], _M_INIT, tl.float32)
+    l_all = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for split in tl.static_range(SPLITS):
+        packed = split * part_stride_split + rows * HQ + heads
+        m_s = tl.load(part_m_ptr + packed, mask=mask_m, other=_M_INIT)
+        l_s = tl.load(part_l_ptr + packed, mask=mask_m, other=0.0)
+        acc_s = tl.load(part_acc_ptr + packed[:, None] * D + offs_d[None, :], mask=mask_m[:, None])
+        m_new = tl.maximum(m_all, m_s)
+        alpha, beta = tl.exp2(m_all - m_new), tl.exp2(m_s - m_new)
+        l_all = l_all * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_all = m_new
+    o = acc / l_all[:, None]
     o_ptrs = o_ptr + rows[:, None] * o_stride_r + heads[:, None] * o_stride_h + offs_d[None, :]
     tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def auto_num_splits(programs: int, device: torch.device) -> int:
+    """Prompt splits for a launch of `programs` (request, kv head, tile) programs: the largest
+    power of two up to MAX_SPLITS that keeps the grid within the GPU's SMs, 1 once the grid
+    alone fills them (then splitting only adds a merge) and off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    spare = _sm_count(device.index if device.index is not None else 0) // max(programs, 1)
+    return 1 if spare < 2 else min(MAX_SPLITS, 1 << (spare.bit_length() - 1))
 
 
 def launch_beam_cascade_attention(
@@ -177,11 +263,14 @@ def launch_beam_cascade_attention(
     block_m: int | None = None,
     block_n: int = BLOCK_N,
     logit_softcap: float | None = None,
+    num_splits: int | None = None,
 ) -> None:
-    """Launch the (B, Hkv, tiles) grid; arguments are validated by the public wrapper.
+    """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
+    validated by the public wrapper.
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
-    chunks at interpreter-friendly sizes).
+    chunks at interpreter-friendly sizes); num_splits overrides `auto_num_splits` (a power of
+    two, at most MAX_SPLITS).
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -190,18 +279,39 @@ def launch_beam_cascade_attention(
     num_tiles = triton.cdiv(max_rows_per_request * group, block_m)
     if num_rows == 0:
         return
-    grid = (row_indptr.numel() - 1, num_kv_heads, num_tiles)
+    num_requests = row_indptr.numel() - 1
+    if num_splits is None:
+        num_splits = auto_num_splits(num_requests * num_kv_heads * num_tiles, q.device)
+    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
+        )
+    if num_splits > 1:  # [splits, R, Hq(, D)] fp32; in a graph, memory of the graph's pool
+        part_acc = torch.empty((num_splits, num_rows, num_q_heads, head_dim), device=q.device)
+        part_m = torch.empty((num_splits, num_rows, num_q_heads), device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
     if logit_softcap is None:
         qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
     else:
         qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
+    grid = (num_requests, num_kv_heads, num_tiles * num_splits)
     _beam_cascade_attention_kernel[grid](
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, out,
+        part_acc, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), suffix.stride(0), suffix.stride(1),
-        out.stride(0), out.stride(1), qk_scale, cap_log2,
-        GROUP=group, S=suffix.shape[1], D=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=triton_interpreting(),
+        out.stride(0), out.stride(1), num_rows * num_q_heads, qk_scale, cap_log2,
+        GROUP=group, S=suffix.shape[1], D=head_dim, HQ=num_q_heads,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_requests, num_kv_heads, num_tiles)](
+            row_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+            num_rows * num_q_heads,
+            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=block_m, SPLITS=num_splits,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip

@@ -165,6 +165,32 @@ def test_small_tiles_cover_many_tiles_chunks_and_idle_programs(device: torch.dev
     _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_split_prompts_merge_to_the_ref(splits: int, device: torch.device) -> None:
+    """Split-KV: prompts of 1 slot (every split but the first empty), fewer chunks than splits,
+    and several chunks per split, with several tiles per request and an idle tile."""
+    from flashrec_kernels.triton_beam_attention import launch_beam_cascade_attention
+
+    step = _make_step([5, 1, 3], [1, 40, 150], 4, 2, 64, 2, FP8_DTYPE, device, seed=10)
+    out = torch.full(step.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    launch_beam_cascade_attention(*step.args(), out, block_m=4, block_n=16, num_splits=splits)
+    _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
+
+
+def test_split_count_follows_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashrec_kernels import triton_beam_attention as kernel
+
+    assert kernel.auto_num_splits(8, torch.device("cpu")) == 1  # the interpreter: no split
+    monkeypatch.setattr(kernel, "_sm_count", lambda index: 132)  # an H200
+    cuda = torch.device("cuda", 0)
+    # one 50-beam request (8 kv heads x 1 tile) -> 16; 512 beams (8 x 8 tiles) -> 2; 16
+    # requests of 50 -> 1 (the grid fills the SMs alone)
+    assert [kernel.auto_num_splits(p, cuda) for p in (1, 8, 64, 128, 300)] == [16, 16, 2, 1, 1]
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        step = _make_step([1], [3], 2, 1, 64, 1, torch.bfloat16)
+        beam_cascade_attention(*step.args(), num_splits=3)
+
+
 def test_out_buffer_is_reused_and_rows_past_the_requests_untouched(device: torch.device) -> None:
     step = _make_step([2, 3, 4], [5, 8, 3], 2, 1, 64, 1, torch.bfloat16, device, seed=6)
     step = step._replace(row_indptr=step.row_indptr[:3], prefix_indptr=step.prefix_indptr[:3])

@@ -328,8 +328,9 @@ class EngineLoop:
         handles = self._take_wave()
         if not handles:
             return
-        for h in handles:
-            h.admitted_at = now
+        admitted = time.monotonic()  # not `now` (the iteration's start): a request may have
+        for h in handles:  # been submitted since, and its queue time would come out negative
+            h.admitted_at = admitted
         try:
             state = self.wave.begin([h.request for h in handles])
         except OutOfSlotsError as exc:

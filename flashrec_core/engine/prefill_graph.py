@@ -207,12 +207,12 @@ class PrefillGraphs:
     def _capture(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph:
         tokens, sequences = shape
         start = time.perf_counter()
-        # Wrappers per shape, sized by its own token count: a graph-mode plan fixes its grid
-        # (and, with split-KV, its merge over every row) at the size it was first planned with.
-        # Sized by the largest bucket, a 1,024-token prefill paid a merge over 8,192 rows
-        # (1.15 ms a request on an H200, more than its attention); without split-KV, one CTA
-        # per query tile walked the whole prompt (5 ms slower a request). The wrappers share
-        # the backend's workspace and index buffers, so a shape costs no device memory.
+        # Wrappers per shape, sized by a plan of its own token count (a graph-mode plan fixes
+        # the wrapper's grid at its first plan). FlashInfer splits the KV of graph-mode
+        # prefills and merges the splits: on an H200 the merge took 41 us a layer for a
+        # 1,024-token prompt whether the wrapper was sized for 1,024 or 8,192 tokens, and with
+        # split-KV disabled the request took 5 ms longer, so split-KV stays on. The wrappers
+        # share the backend's workspace and index buffers: a shape costs no device memory.
         attention = self.runner.attn_backend.prefill_graph_attention(sequences, tokens)
         metadata = self.runner.attn_backend.plan(padded, graph=attention)
 

@@ -71,10 +71,12 @@ serve_bench() {
   srv=$!
   for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
   echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: $*)"
-  for spec in "50 400" "512 64"; do
-    read -r n reqs <<< "$spec"
+  # each phase sends 3-4x the concurrency, so the closed loop measures a steady state, not one
+  # burst, and each open-loop rate runs long enough for a p99
+  for spec in "50 1200 400" "512 256 64"; do
+    read -r n reqs conc <<< "$spec"
     timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n "$n" \
-      --requests "$reqs" --concurrency "$reqs" --out "$out/e2e_server_n$n$tag.json" 2>&1 >/dev/null | grep "^n="
+      --requests "$reqs" --concurrency "$conc" --out "$out/e2e_server_n$n$tag.json" 2>&1 >/dev/null | grep "^n="
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
   kill -TERM $srv; wait $srv; echo "serve exit $?"; tail -3 "$out/serve$tag.log"

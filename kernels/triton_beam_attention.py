@@ -33,8 +33,8 @@ from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "NUM_STAGES", "NUM_WARPS", "auto_num_splits",
-    "launch_beam_cascade_attention",
+    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
+    "auto_num_splits", "launch_beam_cascade_attention",
 ]  # fmt: skip
 
 # Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
@@ -49,9 +49,12 @@ _LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
 """Most prompt ranges per (request, kv head, tile): 16 x 64-slot chunks cover a 1,024-token
 prompt with one chunk per program; more would only add partials to merge."""
-_M_INIT = tl.constexpr(
-    -1.0e30
-)  # finite: exp2(m - m_new) never sees inf - inf; empty splits weigh 0
+MERGE_BLOCK_M = 8
+"""Packed rows per merge program. The merge is a pure read of the partials, so it wants many
+small programs: with the attention's 128-row tiles, one 50-beam request's merge ran 8
+programs (25 us a layer on an H200, more than the split attention itself)."""
+# finite: exp2(m - m_new) never sees inf - inf, and an empty split weighs 0
+_M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -309,9 +312,10 @@ def launch_beam_cascade_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(num_requests, num_kv_heads, num_tiles)](
+        merge_tiles = triton.cdiv(max_rows_per_request * group, MERGE_BLOCK_M)
+        _merge_splits_kernel[(num_requests, num_kv_heads, merge_tiles)](
             row_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
             num_rows * num_q_heads,
-            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=block_m, SPLITS=num_splits,
-            num_warps=NUM_WARPS,
+            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
+            num_warps=4,
         )  # fmt: skip

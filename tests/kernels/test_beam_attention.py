@@ -177,7 +177,9 @@ def test_split_prompts_merge_to_the_ref(splits: int, device: torch.device) -> No
     _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
 
 
-def test_split_count_follows_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_count_follows_the_grid(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
     from flashrec_kernels import triton_beam_attention as kernel
 
     assert kernel.auto_num_splits(8, torch.device("cpu")) == 1  # the interpreter: no split
@@ -187,7 +189,7 @@ def test_split_count_follows_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     # requests of 50 -> 1 (the grid fills the SMs alone)
     assert [kernel.auto_num_splits(p, cuda) for p in (1, 8, 64, 128, 300)] == [16, 16, 2, 1, 1]
     with pytest.raises(ValueError, match="num_splits must be a power of two"):
-        step = _make_step([1], [3], 2, 1, 64, 1, torch.bfloat16)
+        step = _make_step([1], [3], 2, 1, 64, 1, torch.bfloat16, device)
         beam_cascade_attention(*step.args(), num_splits=3)
 
 

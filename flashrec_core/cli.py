@@ -182,6 +182,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-graph-tokens", type=int, default=8192, metavar="T",
         help="replay prefills of up to T new tokens as CUDA graphs (0: always eager)",
     )  # fmt: skip
+    p.add_argument(
+        "--prefill-chunk-tokens", type=int, default=32768, metavar="T",
+        help="run an eager prefill as forwards of at most T new tokens each (0: one forward)",
+    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -257,7 +261,7 @@ _ENGINE_FLAGS = {
     "max_requests": "max_requests",
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
-    "prefill_graph_tokens": "prefill_graph_tokens",
+    "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -449,13 +453,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_batch(engine: Any, args: argparse.Namespace) -> int:
+    from flashrec_core.engine.heap import frozen_heap
     from flashrec_core.server.batch import run_batch
     from flashrec_core.server.translate import Defaults
 
     out = Path(args.output) if args.output else None
-    summary = run_batch(
-        engine, Path(args.input), out, Defaults(n=args.n), Path(args.model_path).name
-    )
+    with frozen_heap():  # each line's answer is built as the server builds it
+        summary = run_batch(
+            engine, Path(args.input), out, Defaults(n=args.n), Path(args.model_path).name
+        )
     print(
         f"{summary.ok} answered, {summary.failed} error lines"
         + (f" -> {args.output}" if args.output else ""),
@@ -571,7 +577,9 @@ def _phase_line(result: dict[str, Any]) -> str:
         f"n={result['n']} {head}: {run['throughput_rps']:.1f} req/s, p50 "
         f"{run['latency_p50_ms'] or 0:.0f} / p99 {run['latency_p99_ms'] or 0:.0f} ms, "
         f"{run['errors']} errors, {engine.get('mean_requests_per_wave', 0):.1f} requests per "
-        f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f}"
+        f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f}, admissions put back "
+        f"{engine.get('admission_retries_kv_slots', 0)} (KV) / "
+        f"{engine.get('admission_retries_device_memory', 0)} (device memory)"
     )
 
 

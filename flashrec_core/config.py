@@ -47,6 +47,10 @@ class EngineConfig(BaseModel):
     prefill_graph_tokens: int = Field(default=8192, ge=0)
     """Prefills of up to this many new tokens (from up to 16 requests) replay a CUDA graph of the
     model forward (engine/prefill_graph.py); larger ones, GPU-bound, run eagerly. 0: never."""
+    prefill_chunk_tokens: int = Field(default=32768, ge=0)
+    """An eager prefill of more new tokens runs as several forwards of whole requests, each of
+    at most this many (a longer request alone), so a wave's prefill activations stay bounded
+    whatever its size. 0: one forward per wave."""
     max_requests: int = Field(default=1024, gt=0)
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""

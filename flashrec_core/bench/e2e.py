@@ -87,6 +87,7 @@ def bench_engine(
     (built before the clock starts, as a server builds it before submitting)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
+    from flashrec_core.engine.heap import frozen_heap
 
     cfg = EngineConfig(model_path=str(model_dir), show_progress=False)
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
@@ -109,13 +110,14 @@ def bench_engine(
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    results = engine.generate(requests)
-    seconds = time.perf_counter() - start
+    with frozen_heap():  # as `flashrec serve` and `generate --input` run (engine/heap.py)
+        start = time.perf_counter()
+        results = engine.generate(requests)
+        seconds = time.perf_counter() - start
+        single = _single_latencies(engine, RequestSpec(1, prompt_len, shared_prefix, n), seed,
+                                   single_runs)  # fmt: skip
     latencies = [1e3 * sum((r.timings.queue_s, r.timings.prefill_s, r.timings.decode_s))
                  for r in results if r.timings is not None]  # fmt: skip
-    single = _single_latencies(engine, RequestSpec(1, prompt_len, shared_prefix, n), seed,
-                               single_runs)  # fmt: skip
     runner = engine.runner
     ecfg = runner.loaded.engine_config
     floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU

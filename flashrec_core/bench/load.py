@@ -208,6 +208,8 @@ _ENGINE_TOTALS = (
     "flashrec_request_stage_seconds_sum{stage=decode}",
     "flashrec_event_loop_lag_seconds_sum", "flashrec_event_loop_lag_seconds_count",
     "flashrec_event_loop_lag_seconds_bucket{le=0.01}",
+    "flashrec_engine_admission_retries_total{reason=kv_slots}",
+    "flashrec_engine_admission_retries_total{reason=device_memory}",
 )  # fmt: skip
 
 
@@ -243,6 +245,8 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
            for stage in ("queue", "prefill", "decode")},
         "event_loop_lag_mean_ms": 1e3 * d["flashrec_event_loop_lag_seconds_sum"] / probes,
         "event_loop_lag_over_10ms": 1 - d["flashrec_event_loop_lag_seconds_bucket{le=0.01}"] / probes,
+        **{f"admission_retries_{why}": int(d[f"admission_retries_total{{reason={why}}}"])
+           for why in ("kv_slots", "device_memory")},
     }  # fmt: skip
 
 

@@ -115,3 +115,5 @@ class LoopStats:
     busy_seconds: float = 0.0  # inside run_once: the engine thread's working time
     kv_slots_used: int = 0  # held by requests in flight (neither free nor cached)
     kv_slots_peak_used: int = 0  # the most kv_slots_used since start (after an admission)
+    admission_retries_kv: int = 0  # waves put back in the queue: too few KV slots free
+    admission_retries_memory: int = 0  # waves put back: their prefill ran out of device memory

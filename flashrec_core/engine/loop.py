@@ -109,6 +109,8 @@ class EngineLoop:
         self._last_admit_at = 0.0
         self._last_prefill_s = 0.0
         self._hit_tokens = 0
+        self._retries_kv = 0  # admissions put back: KV slots short
+        self._retries_memory = 0  # admissions put back: device memory short
         self._invalid = 0
         self._iterations = 0
         self._waves_admitted = 0
@@ -213,6 +215,8 @@ class EngineLoop:
             busy_seconds=self._busy_s,
             kv_slots_used=self._kv_used(),
             kv_slots_peak_used=self._peak_kv_used,
+            admission_retries_kv=self._retries_kv,
+            admission_retries_memory=self._retries_memory,
         )
 
     @property
@@ -334,11 +338,19 @@ class EngineLoop:
         try:
             state = self.wave.begin([h.request for h in handles])
         except OutOfSlotsError as exc:
+            self._retries_kv += 1
             self._requeue(handles, exc)
             return
-        except torch.OutOfMemoryError:  # activations: like a KV shortfall, a smaller wave may fit
+        except torch.OutOfMemoryError:  # activations: a smaller wave may fit
             _release_cached_blocks()
-            self._requeue(handles, _too_big_alone(handles[0].request))
+            self._retries_memory += 1
+            logger.warning(
+                "the prefill of %d requests ran out of device memory beside %d waves in flight; "
+                "retrying with at most %d (lower --mem-fraction or --prefill-chunk-tokens to "
+                "leave activations more room)", len(handles), len(self._waves),
+                max(1, len(handles) // 2),
+            )  # fmt: skip
+            self._requeue(handles, _too_big_alone(handles[0].request), halve=True)
             return
         except Exception as exc:  # a bug or device error: fail these requests, keep serving
             logger.exception("prefill of %d requests failed", len(handles))
@@ -382,15 +394,20 @@ class EngineLoop:
             return taken
 
     def _requeue(
-        self, handles: list[RequestHandle], exc: OutOfSlotsError | DeviceMemoryError
+        self,
+        handles: list[RequestHandle],
+        exc: OutOfSlotsError | DeviceMemoryError,
+        halve: bool = False,
     ) -> None:
-        """The pool (or the device's free memory) cannot hold this wave now. With other waves
-        in flight, wait for them; alone, retry with half as many requests; a single request
-        alone cannot ever fit: it fails with `exc`."""
+        """The pool (or the device's free memory) cannot hold this wave now. KV comes back as
+        the waves in flight finish: with some in flight, wait for them; alone, or after a
+        shortfall of device memory (`halve`: the waves in flight hold theirs until they end,
+        and a retry of the same size would fail again), retry with half as many requests. A
+        single request alone cannot ever fit: it fails with `exc`."""
         if not self._waves and len(handles) == 1:
             handles[0].fail(exc)
             return
-        if not self._waves:
+        if halve or not self._waves:
             self._admit_cap = max(1, len(handles) // 2)
         with self._cv:
             self._queue.extendleft(reversed(handles))

@@ -40,3 +40,21 @@ def plan_waves(
         rows += req.n
         slots += need
     return waves
+
+
+def prefill_chunks(new_tokens: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Contiguous request ranges [start, end) of one wave's prefill, each of at most
+    `max_tokens` new tokens (a longer request forms a range alone); one range when
+    `max_tokens` is 0. Each range is one forward, so the prefill's activations stay bounded
+    by `max_tokens` rows whatever the wave's size."""
+    if max_tokens <= 0 or sum(new_tokens) <= max_tokens:
+        return [(0, len(new_tokens))] if new_tokens else []
+    ranges: list[tuple[int, int]] = []
+    start = total = 0
+    for i, tokens in enumerate(new_tokens):
+        if i > start and total + tokens > max_tokens:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += tokens
+    ranges.append((start, len(new_tokens)))
+    return ranges

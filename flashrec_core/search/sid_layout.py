@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
 _SID_TOKEN = re.compile(r"<s_([a-z])_(\d+)>")
+
+
+@functools.lru_cache(maxsize=64)
+def _code_texts(name: str, size: int) -> tuple[str, ...]:
+    """The text of every code of one level: "<s_a_0>", "<s_a_1>", ..."""
+    return tuple(f"<s_{name}_{c}>" for c in range(size))
 
 
 class SidLayoutError(ValueError):
@@ -97,6 +104,19 @@ class SidLayout:
         if len(codes) > self.depth:
             raise SidLayoutError(f"{len(codes)} codes given; this layout has depth {self.depth}")
         return "".join(f"<s_{self.level_names[lvl]}_{int(c)}>" for lvl, c in enumerate(codes))
+
+    def format_rows(self, codes: Sequence[Sequence[int]]) -> list[str]:
+        """`format` of every row (full SIDs or prefixes of one length): each level's code texts
+        are made once per layout, so a row costs one join (a 512-choice response formats 512)."""
+        if not codes:
+            return []
+        if len(codes[0]) > self.depth:
+            raise SidLayoutError(f"{len(codes[0])} codes given; this layout has depth {self.depth}")
+        columns = []
+        for lvl, column in enumerate(zip(*codes)):
+            texts = _code_texts(self.level_names[lvl], self.level_sizes[lvl])
+            columns.append([texts[c] for c in column])
+        return ["".join(parts) for parts in zip(*columns)]
 
     def check_catalog_depth(
         self, depth: int, sid_depth: int | None = None, source: str = "the catalog"

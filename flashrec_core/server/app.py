@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
@@ -39,6 +40,7 @@ from flashrec_core.engine.handles import (
     RequestRejectedError,
     RequestTimeoutError,
 )
+from flashrec_core.engine.heap import freeze_long_lived
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
 from flashrec_core.server import responses
 from flashrec_core.server.encoding import JSON, dumps
@@ -134,8 +136,21 @@ def _warm_up(state: ServerState) -> None:
         logger.exception("warm-up failed")
         state.warmup_error = f"warm-up failed: {exc}"
         return
+    freeze_long_lived()  # the model, tokenizer and catalogs stay: keep the collector off them
     state.ready.set()
-    logger.info("ready: serving %s", state.settings.model_name)
+    logger.info("ready: serving %s%s", state.settings.model_name, _device_memory(state.engine))
+
+
+def _device_memory(engine: Engine) -> str:
+    """Where the device's memory stands after warm-up (what prefills beside the KV pool and the
+    captured graphs have left to them), for the log."""
+    device = engine.runner.device
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return (f"; device memory: {reserved / 2**30:.1f} GiB reserved by torch, "
+            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")  # fmt: skip
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -388,17 +403,20 @@ def _load_catalog(
 
     try:
         if body.path is not None:
-            return engine.add_catalog(name, body.path, warm)[0]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"{name}.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(body.catalog, f)
-            return engine.add_catalog(name, path, warm)[0]
+            version = engine.add_catalog(name, body.path, warm)[0]
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, f"{name}.json")
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(body.catalog, f)
+                version = engine.add_catalog(name, path, warm)[0]
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError; a missing file
         param = "path" if body.path is not None else "catalog"
         raise APIError(
             400, f"catalog {name!r} was not loaded: {exc}", param, "bad_catalog"
         ) from None
+    freeze_long_lived(collect=False)  # the new catalog's item tuples, as at start-up
+    return version
 
 
 def _version() -> str:

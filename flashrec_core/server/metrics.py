@@ -57,6 +57,14 @@ class _EngineCollector(Collector):
             "flashrec_invalid_results", "returned beams that are not catalog SIDs (must stay 0)",
             value=s.invalid_results,
         )  # fmt: skip
+        retries = CounterMetricFamily(
+            "flashrec_engine_admission_retries",
+            "waves put back in the queue, by what was short (kv_slots: the pool, device_memory: "
+            "the prefill's activations)", labels=["reason"],
+        )  # fmt: skip
+        retries.add_metric(["kv_slots"], s.admission_retries_kv)
+        retries.add_metric(["device_memory"], s.admission_retries_memory)
+        yield retries
         totals = {
             "engine_iterations": ("engine loop iterations", s.iterations),
             "engine_waves_admitted": ("waves admitted (one prefill each)", s.waves_admitted),

@@ -102,9 +102,10 @@ def item_list(
 
 def _shaped(result: GenerationResult, shaping: Shaping) -> tuple[list[str], list[dict[str, Any]]]:
     rows = kept_rows(result, shaping.max_per_prefix)
-    fmt = result.decoder.layout.format
-    codes = result.codes.tolist()
-    return [fmt(codes[r]) for r in rows], choice_extensions(result, rows, shaping.metadata)
+    codes = result.codes[rows].tolist()
+    return result.decoder.layout.format_rows(codes), choice_extensions(
+        result, rows, shaping.metadata
+    )
 
 
 def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:

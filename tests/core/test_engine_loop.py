@@ -185,6 +185,30 @@ def test_a_wave_out_of_device_memory_is_split_and_answers_as_alone(
     assert_idle(engine)
 
 
+def test_a_wave_out_of_device_memory_beside_others_is_halved_not_retried_whole(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waves in flight keep their memory until they end, so the retry of a prefill that
+    ran out of memory beside them is smaller, not the same wave again every iteration (each
+    failed attempt costs the GPU time up to its failure); /metrics counts the retries."""
+    loop = engine.loop
+    first = engine.make_request(prompt="w1 w2", n=4)
+    requests = [engine.make_request(prompt=f"w{i} w{i + 5} w8", n=4) for i in range(4)]
+    want = [engine.generate([r])[0] for r in [first, *requests]]
+    before = loop.stats().admission_retries_memory
+    handles = [loop.submit(first)]
+    loop.run_once()  # first is in flight
+    ran = _prefill_runs_out_of_memory_over(engine, monkeypatch, 2)
+    handles += [loop.submit(r) for r in requests]
+    loop.run_once()  # a prefill of 4 beside the wave in flight: out of memory
+    assert loop.stats().admission_retries_memory == before + 1
+    loop.run_once()
+    assert ran == [2], "the retry beside the wave in flight takes half"
+    finish_and_compare(loop, handles, want)
+    assert loop.stats().admission_retries_memory == before + 1
+    assert_idle(engine)
+
+
 def test_a_request_out_of_device_memory_alone_fails_with_what_to_change(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,9 +10,10 @@ import pytest
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.requests import GenerationRequest
-from flashrec_core.engine.scheduler import plan_waves
+from flashrec_core.engine.scheduler import plan_waves, prefill_chunks
 from flashrec_core.kvcache import OutOfSlotsError
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+from flashrec_core.testing.hf_beam import assert_same_ranking
 
 
 def _req(prompt_len: int, n: int) -> GenerationRequest:
@@ -38,20 +39,54 @@ def test_a_request_that_can_never_fit_is_named() -> None:
         plan_waves([_req(4, 2), _req(4, 32)], depth=3, max_rows=16, max_requests=8, kv_slots=999)
 
 
-def test_engine_results_do_not_depend_on_wave_packing(tmp_path: Path) -> None:
+def test_prefill_chunks_are_whole_requests_within_the_token_bound() -> None:
+    assert prefill_chunks([1024] * 5, 2048) == [(0, 2), (2, 4), (4, 5)]
+    assert prefill_chunks([10, 5000, 10, 10], 2048) == [(0, 1), (1, 2), (2, 4)], "long: alone"
+    assert prefill_chunks([7, 7, 7], 0) == [(0, 3)], "0: one forward"
+    assert prefill_chunks([7, 7, 7], 21) == [(0, 3)]
+    assert prefill_chunks([], 64) == []
+
+
+def _tiny_engine_dir(tmp_path: Path) -> Path:
     from flashrec_models_qwen3 import spec
 
     write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=(16, 16, 16))
     catalog = {f"{a},{b},{(a + b) % 16}": f"i{a}-{b}" for a in range(16) for b in range(16)}
     (tmp_path / "c.json").write_text(json.dumps(catalog))
+    return tmp_path
 
-    def engine(rows: int) -> Engine:
-        cfg = EngineConfig(model_path=str(tmp_path), device="cpu", max_wave_rows=rows,
-                           kv_cache_tokens=1 << 14, show_progress=False)  # fmt: skip
-        return Engine.from_config(cfg, SearchConfig(catalog_path=str(tmp_path / "c.json")))
 
+def _engine(path: Path, rows: int = 4096, chunk: int = 32768) -> Engine:
+    cfg = EngineConfig(model_path=str(path), device="cpu", max_wave_rows=rows,
+                       kv_cache_tokens=1 << 14, prefill_chunk_tokens=chunk,
+                       show_progress=False)  # fmt: skip
+    return Engine.from_config(cfg, SearchConfig(catalog_path=str(path / "c.json")))
+
+
+def test_a_chunked_prefill_ranks_like_one_forward(tmp_path: Path) -> None:
+    """Prompts of 6-9 tokens in chunks of at most 16 new tokens (2 requests a forward) against
+    one forward per wave: the same beams; log-probs within 1e-5 (one fp32 engine, two batch
+    compositions of its GEMMs)."""
+    path = _tiny_engine_dir(tmp_path)
+    prompts = [f"user w{i} w{i + 3} item w{i % 7}" for i in range(12)]
+    whole, chunked = _engine(path, chunk=0), _engine(path, chunk=16)
+    forwards = []
+    real = chunked.wave._prefill_forward
+    chunked.wave._prefill_forward = lambda step: forwards.append(step) or real(step)
+    a = whole.generate([whole.make_request(prompt=p, n=4) for p in prompts])
+    b = chunked.generate([chunked.make_request(prompt=p, n=4) for p in prompts])
+    assert len(forwards) > 1 and all(s.input_ids.numel() <= 16 for s in forwards), [
+        s.input_ids.numel() for s in forwards
+    ]
+    for x, y in zip(a, b, strict=True):
+        rank = [[(c.codes, c.logprob) for c in r.choices] for r in (x, y)]
+        assert_same_ranking(rank[1], rank[0], 1e-5)
+
+
+def test_engine_results_do_not_depend_on_wave_packing(tmp_path: Path) -> None:
+    path = _tiny_engine_dir(tmp_path)
     prompts = [f"user w{i} w{i + 3} item w{i % 7}" for i in range(40)]
-    wide, narrow = engine(4096), engine(12)
+    wide, narrow = _engine(path, rows=4096), _engine(path, rows=12)
     a = wide.generate([wide.make_request(prompt=p, n=1 + i % 8) for i, p in enumerate(prompts)])
     b = narrow.generate([narrow.make_request(prompt=p, n=1 + i % 8) for i, p in enumerate(prompts)])
     assert len(a) == len(b) == 40

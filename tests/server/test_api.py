@@ -106,9 +106,12 @@ def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]
         "flashrec_running_beam_rows",
         "flashrec_invalid_results_total",
         "flashrec_prefix_cache_hit_tokens_total",
+        "flashrec_engine_admission_retries_total{reason=kv_slots}",
+        "flashrec_engine_admission_retries_total{reason=device_memory}",
     ):
         assert name in metrics, name  # fmt: skip
     assert metrics["flashrec_invalid_results_total"] == 0
+    assert metrics["flashrec_engine_admission_retries_total{reason=device_memory}"] == 0
     # the request above ran: its slots (at least) are the peak, which stays after it ends
     assert 0 < metrics["flashrec_kv_slots_peak_used"] <= metrics["flashrec_kv_slots_total"]
     assert metrics["flashrec_kv_slots_used"] <= metrics["flashrec_kv_slots_peak_used"]

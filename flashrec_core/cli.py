@@ -183,8 +183,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="replay prefills of up to T new tokens as CUDA graphs (0: always eager)",
     )  # fmt: skip
     p.add_argument(
-        "--prefill-chunk-tokens", type=int, default=32768, metavar="T",
-        help="run an eager prefill as forwards of at most T new tokens each (0: one forward)",
+        "--prefill-chunk-tokens", type=int, default=None, metavar="T",
+        help="run a prefill as forwards of at most T new tokens each (default: 8191 with "
+        "prefill graphs, so chunks replay the largest one; else 32768; 0: one forward)",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(

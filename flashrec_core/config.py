@@ -47,10 +47,11 @@ class EngineConfig(BaseModel):
     prefill_graph_tokens: int = Field(default=8192, ge=0)
     """Prefills of up to this many new tokens (from up to 16 requests) replay a CUDA graph of the
     model forward (engine/prefill_graph.py); larger ones, GPU-bound, run eagerly. 0: never."""
-    prefill_chunk_tokens: int = Field(default=32768, ge=0)
-    """An eager prefill of more new tokens runs as several forwards of whole requests, each of
-    at most this many (a longer request alone), so a wave's prefill activations stay bounded
-    whatever its size. 0: one forward per wave."""
+    prefill_chunk_tokens: int | None = Field(default=None, ge=0)
+    """A prefill of more new tokens runs as several forwards of at most this many (a prompt may
+    span two), so its activations stay bounded whatever the wave's size. None: the largest
+    prefill graph less one pad token (8191; chunks of up to 16 requests replay that graph), or
+    32,768 without prefill graphs. 0: one forward per wave."""
     max_requests: int = Field(default=1024, gt=0)
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""

@@ -18,7 +18,7 @@ sizes its KV pool from the free memory. Every phase is written to OUT/compare_re
 as soon as it is measured, and a failed phase records its error and lets the others run.
 
 Usage: python3 scripts/compare_reference.py --ckpt /tmp/bench-ckpt --out DIR
-       [--widths 50,512] [--requests 400,64] [--skip-ours] [--dry-run]
+       [--widths 50,512] [--requests 400,64] [--cache-fill 0.9] [--skip-ours] [--dry-run]
 (the reference must be importable as `flashrec`: scripts/gpu_run.sh `compare` installs it).
 """
 
@@ -66,6 +66,7 @@ class CompareSpec:
     overlap_requests: int
     ref_mem_fraction: float
     seed: int
+    cache_fill: float
     skip_ours: bool
     dry_run: bool
 
@@ -148,6 +149,7 @@ def _workload(spec: CompareSpec) -> dict[str, Any]:
         "single_runs": spec.single_runs,
         "single_warmups": SINGLE_WARMUPS,
         "overlap_requests": spec.overlap_requests,
+        "cache_fill": spec.cache_fill,
         "seed": spec.seed,
         "dry_run": spec.dry_run,
     }
@@ -424,7 +426,7 @@ def reference_throughput(spec: CompareSpec, setup: Setup, engine: Any, n: int, n
     layout, rs = setup.layout, request_spec(spec, n, num)
     for body in WARMUP_BODY_SEEDS:  # JIT, graph capture, allocator growth
         engine.generate_many(reference_requests(engine, prompts(spec, layout, rs, body), n))
-    fills = fill_reference_cache(spec, setup, engine, rs)
+    fills = fill_reference_cache(spec, setup, engine, rs, spec.cache_fill)
     reqs = reference_requests(engine, prompts(spec, layout, rs, MEASURED_BODY_SEED), n)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -589,6 +591,7 @@ def ours_width(report: Report, spec: CompareSpec, setup: Setup, n: int, num: int
             level_sizes,
             seed=spec.seed,
             single_runs=spec.single_runs,
+            cache_fill=spec.cache_fill,
         ),  # fmt: skip
     )
     if value is not None:
@@ -663,6 +666,9 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareSpec:
     p.add_argument("--ref-mem-fraction", type=float, default=0.8,
                    help="the reference's mem_fraction_static (its KV pool: 45%% of it x free)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-fill", type=float, default=0.9,
+                   help="fill both prefix caches to this share of the KV pool before the timed "
+                   "call (0: no fill; a server in steady state has a full cache)")  # fmt: skip
     p.add_argument("--skip-ours", action="store_true", help="run the reference only")
     p.add_argument("--dry-run", action="store_true",
                    help="layout, catalog conversion, configs and prompts; no engine is built")  # fmt: skip
@@ -677,7 +683,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareSpec:
     return CompareSpec(
         args.ckpt, args.out, widths, requests, args.prompt_len, args.shared_prefix,
         args.single_runs, args.overlap_requests, args.ref_mem_fraction, args.seed,
-        args.skip_ours, args.dry_run,
+        args.cache_fill, args.skip_ours, args.dry_run,
     )  # fmt: skip
 
 

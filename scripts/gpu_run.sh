@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -87,6 +87,8 @@ for what in "${@:-tests}"; do
   case $what in
     gputests)
       pytest_gpu "$out/gpu_tests.log" tests/gpu tests/kernels/test_trie_topk.py tests/kernels/test_beam_attention.py ;;
+    prefillgraphs)  # the prefill graph tests alone (replay == eager, chunked prefills)
+      pytest_gpu "$out/graph_tests.log" tests/gpu/test_cuda_graphs.py -k prefill ;;
     beamkernel)  # the Triton beam kernel natively against its reference (split-KV included)
       pytest_gpu "$out/beam_kernel_tests.log" tests/kernels/test_beam_attention.py ;;
     tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests
@@ -127,10 +129,11 @@ for what in "${@:-tests}"; do
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then
-        timeout "$(left)" flashrec bench --engine "$ck" -n 50 --requests 400 --out "$out/e2e_engine_n50.json" 2>&1 | tail -22
-        timeout "$(left)" flashrec bench --engine "$ck" -n 512 --requests 64 --out "$out/e2e_engine_n512.json" 2>&1 | tail -22
-        # n=1024, 16 requests, no manual flags (issue 14's third width)
-        timeout "$(left)" flashrec bench --engine "$ck" -n 1024 --requests 16 --out "$out/e2e_engine_n1024.json" 2>&1 | tail -22
+        # E2E_N: the widths to run (default all three; n=1024 with 16 requests, no manual flags)
+        for spec in ${E2E_N:-50:400 512:64 1024:16}; do
+          timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" \
+            --out "$out/e2e_engine_n${spec%:*}.json" 2>&1 | tail -22
+        done
       fi
       [[ $what == e2e-engine ]] && continue
       # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"

@@ -77,6 +77,7 @@ def bench_engine(
     model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
     exclude_items: int = 0, allow_items: int = 0, filter_categories: int = 0,
+    cache_fill: float = 0.9,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
     shapes, same shared prefix) that also fills the prefix cache as a running server's is,
@@ -104,7 +105,7 @@ def bench_engine(
 
     for i in range(2):  # warm-up: JIT, graph captures of every wave shape, allocator growth
         engine.generate(workload(seed + 1 + i))
-    _fill_prefix_cache(engine, spec, seed)
+    _fill_prefix_cache(engine, spec, seed, cache_fill)
     requests = workload(seed + 100)
     cuda = torch.cuda.is_available()
     if cuda:

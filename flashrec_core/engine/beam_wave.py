@@ -23,7 +23,7 @@ from flashrec_core.engine.beam_inputs import NoiseSource, StepShape, prepare_bea
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
-from flashrec_core.engine.prefill_graph import PrefillGraphs
+from flashrec_core.engine.prefill_graph import PrefillGraphs, prefill_chunk_tokens
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.engine.scheduler import prefill_chunks
 from flashrec_core.kvcache.radix import RadixNode
@@ -112,8 +112,8 @@ class BeamWave:
         """Whole-step CUDA graphs of the decode steps; None when steps always run eagerly."""
         self.prefill_graphs = PrefillGraphs.create(runner)
         """CUDA graphs of small prefills' forwards; None when prefills always run eagerly."""
-        self.prefill_chunk_tokens = ecfg.prefill_chunk_tokens
-        """An eager prefill's most new tokens per forward (0: one forward per wave)."""
+        self.prefill_chunk_tokens = prefill_chunk_tokens(ecfg, self.prefill_graphs)
+        """A prefill's most new tokens per forward (0: one forward per wave)."""
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()
         self._eager_padding: Callable[[list[int]], int] | None = None  # see eager_steps
@@ -337,20 +337,28 @@ class BeamWave:
         self, prompts: list[list[int]], slots: list[torch.Tensor], cached_lens: list[int]
     ) -> torch.Tensor:
         """Hidden states of each prompt's last token, in forwards of at most
-        `prefill_chunk_tokens` new tokens (whole requests each). Activations grow with the
-        forward's tokens: in one forward, 160 prompts of 960 new tokens of the bench preset
-        hold 3.8 GB in the MLP's gate-up output alone, beside a KV pool sized to most of the
-        card. GEMMs of 32,768 rows are as efficient as larger ones."""
-        new = [len(p) - c for p, c in zip(prompts, cached_lens)]
-        parts = [
-            self._prefill_forward(prepare_prefill(prompts[a:b], slots[a:b], cached_lens[a:b]))
-            for a, b in prefill_chunks(new, self.prefill_chunk_tokens)
-        ]
+        `prefill_chunk_tokens` new tokens (engine/scheduler.py `prefill_chunks`). Activations
+        grow with a forward's tokens: in one forward, 160 prompts of 960 new tokens of the bench
+        preset hold 3.8 GB in the MLP's gate-up output alone. A chunk of up to 16 requests
+        that fits a prefill graph replays it: a 160-request wave is 19 replays, not 19 x 400
+        launches from Python (which, in a server, compete for the GIL with the HTTP thread)."""
+        lengths = [len(p) for p in prompts]
+        parts = []
+        for chunk in prefill_chunks(lengths, cached_lens, self.prefill_chunk_tokens):
+            reqs = [r for r, _, _ in chunk]
+            step = prepare_prefill(
+                [prompts[r] for r in reqs], [slots[r] for r in reqs],
+                [start for _, start, _ in chunk], [end for _, _, end in chunk],
+            )  # fmt: skip
+            done = [i for i, (r, _, end) in enumerate(chunk) if end == lengths[r]]
+            parts.append(self._prefill_forward(step, done))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _prefill_forward(self, step: StepInput) -> torch.Tensor:
-        """Hidden states of each prompt's last token: by graph replay for small prefills."""
-        last = (step.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
+    def _prefill_forward(self, step: StepInput, sequences: list[int]) -> torch.Tensor:
+        """Hidden states of the last token of the step's `sequences` (those whose prompt ends
+        in this step): by graph replay for small prefills."""
+        ends = step.qo_indptr[1:] - 1
+        last = ends[sequences].to(self.runner.device, non_blocking=True)
         if self.prefill_graphs is not None:
             hidden = self.prefill_graphs.run(step, last)
             if hidden is not None:

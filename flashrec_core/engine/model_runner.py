@@ -147,14 +147,19 @@ def _with_triton_beam_steps(
 
 
 def prepare_prefill(
-    prompts: list[list[int]], slots: list[torch.Tensor], prefix_lens: list[int] | None = None
+    prompts: list[list[int]],
+    slots: list[torch.Tensor],
+    prefix_lens: list[int] | None = None,
+    ends: list[int] | None = None,
 ) -> StepInput:
-    """A prefill step: each prompt's tokens after its cached prefix, attending to all its slots."""
+    """A prefill step: each prompt's tokens after its cached prefix (up to `ends[i]`, default
+    the whole prompt: a chunked prefill computes a prompt in pieces), attending to all its slots
+    before that end."""
     prefix_lens = prefix_lens or [0] * len(prompts)
+    ends = ends or [len(t) for t in prompts]
     ids, pos, loc, qo, kv = [], [], [], [0], [0]
-    for tokens, s, p in zip(prompts, slots, prefix_lens):
-        n = len(tokens)
-        ids.append(torch.tensor(tokens[p:], dtype=torch.int64))
+    for tokens, s, p, n in zip(prompts, slots, prefix_lens, ends):
+        ids.append(torch.tensor(tokens[p:n], dtype=torch.int64))
         pos.append(torch.arange(p, n, dtype=torch.int64))
         loc.append(s[p:n])
         qo.append(qo[-1] + n - p)
@@ -165,5 +170,5 @@ def prepare_prefill(
         out_cache_loc=torch.cat(loc),
         qo_indptr=torch.tensor(qo, dtype=torch.int64),
         kv_indptr=torch.tensor(kv, dtype=torch.int64),
-        kv_indices=torch.cat([s[: len(t)] for t, s in zip(prompts, slots)]),
+        kv_indices=torch.cat([s[:n] for s, n in zip(slots, ends)]),
     )

@@ -35,6 +35,7 @@ from flashrec_core.attention.step import StepInput
 from flashrec_core.kvcache.pool import KVPool
 
 if TYPE_CHECKING:
+    from flashrec_core.config import EngineConfig
     from flashrec_core.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("flashrec")
@@ -51,6 +52,20 @@ def token_buckets(max_tokens: int) -> list[int]:
     if max_tokens <= 0:
         return []
     return sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
+
+
+EAGER_CHUNK_TOKENS = 32_768
+"""A prefill's most new tokens per forward without prefill graphs: GEMMs of this many rows are
+as efficient as larger ones, and the activations stay a few GB."""
+
+
+def prefill_chunk_tokens(cfg: EngineConfig, graphs: PrefillGraphs | None) -> int:
+    """`cfg.prefill_chunk_tokens`, or by default the largest prefill graph's tokens less the
+    one token of its pad sequence (a full chunk of up to 16 requests then replays that graph),
+    else EAGER_CHUNK_TOKENS."""
+    if cfg.prefill_chunk_tokens is not None:
+        return cfg.prefill_chunk_tokens
+    return graphs.buckets[-1] - 1 if graphs is not None else EAGER_CHUNK_TOKENS
 
 
 def prefill_shape(tokens: int, requests: int, buckets: list[int]) -> tuple[int, int] | None:

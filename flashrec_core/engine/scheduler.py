@@ -42,19 +42,32 @@ def plan_waves(
     return waves
 
 
-def prefill_chunks(new_tokens: Sequence[int], max_tokens: int) -> list[tuple[int, int]]:
-    """Contiguous request ranges [start, end) of one wave's prefill, each of at most
-    `max_tokens` new tokens (a longer request forms a range alone); one range when
-    `max_tokens` is 0. Each range is one forward, so the prefill's activations stay bounded
-    by `max_tokens` rows whatever the wave's size."""
-    if max_tokens <= 0 or sum(new_tokens) <= max_tokens:
-        return [(0, len(new_tokens))] if new_tokens else []
-    ranges: list[tuple[int, int]] = []
-    start = total = 0
-    for i, tokens in enumerate(new_tokens):
-        if i > start and total + tokens > max_tokens:
-            ranges.append((start, i))
-            start, total = i, 0
-        total += tokens
-    ranges.append((start, len(new_tokens)))
-    return ranges
+Piece = tuple[int, int, int]
+"""(request, start, end): the prompt tokens [start, end) of one request, in one forward."""
+
+
+def prefill_chunks(
+    lengths: Sequence[int], starts: Sequence[int], max_tokens: int
+) -> list[list[Piece]]:
+    """The forwards of one wave's prefill: request i computes its tokens [starts[i],
+    lengths[i]) (after its cached prefix), in order, at most `max_tokens` new tokens a forward.
+    A prompt may span forwards: its later piece attends to the KV the earlier one wrote, like a
+    cached prefix. `max_tokens` 0: one forward. The activations of a forward grow with its
+    tokens, so a wave's prefill stays within a bound whatever its size."""
+    if max_tokens <= 0:
+        whole = [(i, s, n) for i, (s, n) in enumerate(zip(starts, lengths))]
+        return [whole] if whole else []
+    chunks: list[list[Piece]] = []
+    chunk: list[Piece] = []
+    room = max_tokens
+    for i, (start, length) in enumerate(zip(starts, lengths)):
+        while start < length:
+            take = min(length - start, room)
+            chunk.append((i, start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                chunks.append(chunk)
+                chunk, room = [], max_tokens
+    if chunk:
+        chunks.append(chunk)
+    return chunks

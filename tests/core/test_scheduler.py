@@ -39,12 +39,13 @@ def test_a_request_that_can_never_fit_is_named() -> None:
         plan_waves([_req(4, 2), _req(4, 32)], depth=3, max_rows=16, max_requests=8, kv_slots=999)
 
 
-def test_prefill_chunks_are_whole_requests_within_the_token_bound() -> None:
-    assert prefill_chunks([1024] * 5, 2048) == [(0, 2), (2, 4), (4, 5)]
-    assert prefill_chunks([10, 5000, 10, 10], 2048) == [(0, 1), (1, 2), (2, 4)], "long: alone"
-    assert prefill_chunks([7, 7, 7], 0) == [(0, 3)], "0: one forward"
-    assert prefill_chunks([7, 7, 7], 21) == [(0, 3)]
-    assert prefill_chunks([], 64) == []
+def test_prefill_chunks_fill_each_forward_and_split_prompts_in_order() -> None:
+    assert prefill_chunks([10, 10, 10], [0, 2, 0], 8) == [
+        [(0, 0, 8)], [(0, 8, 10), (1, 2, 8)], [(1, 8, 10), (2, 0, 6)], [(2, 6, 10)],
+    ]  # fmt: skip
+    assert prefill_chunks([4, 4], [0, 0], 8) == [[(0, 0, 4), (1, 0, 4)]], "exactly full"
+    assert prefill_chunks([7, 7, 7], [1, 0, 3], 0) == [[(0, 1, 7), (1, 0, 7), (2, 3, 7)]]
+    assert prefill_chunks([], [], 64) == []
 
 
 def _tiny_engine_dir(tmp_path: Path) -> Path:
@@ -56,7 +57,7 @@ def _tiny_engine_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _engine(path: Path, rows: int = 4096, chunk: int = 32768) -> Engine:
+def _engine(path: Path, rows: int = 4096, chunk: int | None = None) -> Engine:
     cfg = EngineConfig(model_path=str(path), device="cpu", max_wave_rows=rows,
                        kv_cache_tokens=1 << 14, prefill_chunk_tokens=chunk,
                        show_progress=False)  # fmt: skip
@@ -64,20 +65,19 @@ def _engine(path: Path, rows: int = 4096, chunk: int = 32768) -> Engine:
 
 
 def test_a_chunked_prefill_ranks_like_one_forward(tmp_path: Path) -> None:
-    """Prompts of 6-9 tokens in chunks of at most 16 new tokens (2 requests a forward) against
-    one forward per wave: the same beams; log-probs within 1e-5 (one fp32 engine, two batch
-    compositions of its GEMMs)."""
+    """Prompts of 6-9 tokens in forwards of at most 5 new tokens (most prompts split across
+    two or three) against one forward per wave: the same beams; log-probs within 1e-5 (one fp32
+    engine, two batch compositions of its GEMMs)."""
     path = _tiny_engine_dir(tmp_path)
     prompts = [f"user w{i} w{i + 3} item w{i % 7}" for i in range(12)]
-    whole, chunked = _engine(path, chunk=0), _engine(path, chunk=16)
+    whole, chunked = _engine(path, chunk=0), _engine(path, chunk=5)
     forwards = []
     real = chunked.wave._prefill_forward
-    chunked.wave._prefill_forward = lambda step: forwards.append(step) or real(step)
+    chunked.wave._prefill_forward = lambda step, seqs: forwards.append(step) or real(step, seqs)
     a = whole.generate([whole.make_request(prompt=p, n=4) for p in prompts])
     b = chunked.generate([chunked.make_request(prompt=p, n=4) for p in prompts])
-    assert len(forwards) > 1 and all(s.input_ids.numel() <= 16 for s in forwards), [
-        s.input_ids.numel() for s in forwards
-    ]
+    sizes = [s.input_ids.numel() for s in forwards]
+    assert len(sizes) > len(prompts) and max(sizes) == 5, sizes
     for x, y in zip(a, b, strict=True):
         rank = [[(c.codes, c.logprob) for c in r.choices] for r in (x, y)]
         assert_same_ranking(rank[1], rank[0], 1e-5)

@@ -184,7 +184,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--prefill-chunk-tokens", type=int, default=None, metavar="T",
-        help="run a prefill as forwards of at most T new tokens each (default: 8191 with "
+        help="run a prefill as forwards of at most T new tokens each (default: 8184 with "
         "prefill graphs, so chunks replay the largest one; else 32768; 0: one forward)",
     )  # fmt: skip
     add_beam_attention_args(p)

@@ -60,12 +60,18 @@ as efficient as larger ones, and the activations stay a few GB."""
 
 
 def prefill_chunk_tokens(cfg: EngineConfig, graphs: PrefillGraphs | None) -> int:
-    """`cfg.prefill_chunk_tokens`, or by default the largest prefill graph's tokens less the
-    one token of its pad sequence (a full chunk of up to 16 requests then replays that graph),
-    else EAGER_CHUNK_TOKENS."""
+    """`cfg.prefill_chunk_tokens`, or by default the largest prefill graph's tokens less one
+    token for each pad sequence it may need (a chunk of r requests replays the first bucket of
+    B > r sequences, B - r of them pads: at most 8, at r = 9), so a full chunk of up to 16
+    requests always replays that graph; else EAGER_CHUNK_TOKENS."""
     if cfg.prefill_chunk_tokens is not None:
         return cfg.prefill_chunk_tokens
-    return graphs.buckets[-1] - 1 if graphs is not None else EAGER_CHUNK_TOKENS
+    if graphs is None:
+        return EAGER_CHUNK_TOKENS
+    pads = max(
+        next(b for b in SEQUENCE_BUCKETS if b > r) - r for r in range(1, SEQUENCE_BUCKETS[-1])
+    )
+    return graphs.buckets[-1] - pads
 
 
 def prefill_shape(tokens: int, requests: int, buckets: list[int]) -> tuple[int, int] | None:

@@ -92,3 +92,21 @@ def test_a_prefill_that_cannot_take_its_pad_is_refused() -> None:
     step = prepare_prefill([[1, 2, 3]], [torch.arange(1, 4)])
     with pytest.raises(ValueError, match="do not pad"):
         pad_prefill(step, 3, 2)
+
+
+def test_a_default_prefill_chunk_of_up_to_16_requests_replays_the_largest_graph() -> None:
+    """The default chunk leaves a token for each pad sequence the shape may need (a chunk of
+    9 requests replays 17 sequences), so a full chunk never falls back to an eager forward."""
+    from types import SimpleNamespace
+
+    from flashrec_core.engine.prefill_graph import EAGER_CHUNK_TOKENS, prefill_chunk_tokens
+
+    buckets = token_buckets(8192)
+    graphs = SimpleNamespace(buckets=buckets)
+    chunk = prefill_chunk_tokens(EngineConfig(model_path="m"), graphs)
+    assert chunk == 8184
+    for requests in range(1, 17):
+        assert prefill_shape(chunk, requests, buckets) is not None, requests
+    assert prefill_shape(chunk + 1, 9, buckets) is None, "a token more: 9 requests run eagerly"
+    assert prefill_chunk_tokens(EngineConfig(model_path="m"), None) == EAGER_CHUNK_TOKENS
+    assert prefill_chunk_tokens(EngineConfig(model_path="m", prefill_chunk_tokens=0), graphs) == 0

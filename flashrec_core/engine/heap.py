@@ -5,9 +5,9 @@ engine that is torch's and the tokenizer's Python objects and the catalog's item
 SID, a million for a 1M-item catalog), none of which will ever be garbage. Allocation-heavy work
 (building a 512-choice response, the engine thread's per-step bookkeeping) triggers such
 collections every few milliseconds, and the thread that triggers one stalls for the walk, and so
-does every other thread waiting for the GIL. Measured on the CPU machine (scripts in
-docs/benchmarks.md): one 512-choice response body took 3.8 ms to build with a 1M-item catalog
-loaded, 0.9 ms with that heap frozen, 0.6 ms with the collector off.
+does every other thread waiting for the GIL. Measured on the CPU machine
+(`scripts/bench_response_build.py`): one 512-choice response body took 3.4 ms to build with a
+1M-item catalog loaded, 1.0 ms with that heap frozen, 0.7 ms with the collector off.
 
 `gc.freeze()` moves every object alive now to a permanent generation that collections skip;
 reference counting still frees those objects when their last reference goes, so a replaced

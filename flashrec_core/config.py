@@ -51,8 +51,7 @@ class EngineConfig(BaseModel):
     """A prefill of more new tokens runs as several forwards of at most this many (a prompt may
     span two), so its activations stay bounded whatever the wave's size. None: the largest
     prefill graph less room for its pad sequences (8184; a chunk of up to 16 requests then
-    replays that graph), or
-    32,768 without prefill graphs. 0: one forward per wave."""
+    replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
     max_requests: int = Field(default=1024, gt=0)
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""

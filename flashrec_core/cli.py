@@ -121,6 +121,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: each request excludes this many random items")  # fmt: skip
     e2e.add_argument("--allow-items", type=int, default=0,
                      help="with --engine: each request allows only this many random items")  # fmt: skip
+    e2e.add_argument("--schedule", choices=["interleaved", "decode_first"], default=None,
+                     help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -176,6 +178,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")
+    p.add_argument(
+        "--schedule", choices=["interleaved", "decode_first"], default="interleaved",
+        help="admit new waves at every step boundary, or once the waves in flight have finished",
+    )  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")
     p.add_argument(
@@ -259,7 +265,7 @@ _ENGINE_FLAGS = {
     "quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype",
     "attention_backend": "attention_backend", "kv_cache_tokens": "kv_cache_tokens",
     "mem_fraction": "mem_fraction", "max_context": "max_context", "max_wave_rows": "max_wave_rows",
-    "max_requests": "max_requests",
+    "max_requests": "max_requests", "schedule": "schedule",
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
@@ -527,7 +533,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         result = e2e.bench_engine(
             Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
             level_sizes, exclude_items=args.exclude_items, allow_items=args.allow_items,
-            filter_categories=args.filter_categories,
+            filter_categories=args.filter_categories, schedule=args.schedule,
         )  # fmt: skip
     else:
         from flashrec_core.bench.load import run_server_bench, server_floor

@@ -53,6 +53,10 @@ class EngineConfig(BaseModel):
     prefill graph less room for its pad sequences (8184; a chunk of up to 16 requests then
     replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
     max_requests: int = Field(default=1024, gt=0)
+    schedule: Literal["interleaved", "decode_first"] = "interleaved"
+    """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new
+    wave's prefill runs between the steps of the waves in flight; "decode_first": once the
+    waves in flight have run their last step (engine/loop.py)."""
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""
     max_context: int | None = Field(default=None, gt=0)

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), thread-probe (scripts/engine_thread_probe.py: the engine loop offline, on its thread, under closed loops, beside a GIL burner; PROBE_N="50:400"), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -63,7 +63,7 @@ ensure_checkpoint() {
   [[ -f $ck/config.json ]] || timeout "$(left)" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
 }
 # serve_bench TAG [SERVE FLAGS...]: flashrec serve on the bench checkpoint, then the server bench at
-# n=50 and n=512; each phase is printed as it ends and written to $out/e2e_server_nN$TAG.json
+# the SERVER_SPECS phases; each is printed as it ends and written to $out/e2e_server_nN_cC$TAG.json
 serve_bench() {
   local tag=$1 srv n reqs; shift
   flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 "$@" \
@@ -73,10 +73,13 @@ serve_bench() {
   echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: $*)"
   # each phase sends 3-4x the concurrency, so the closed loop measures a steady state, not one
   # burst, and each open-loop rate runs long enough for a p99
-  for spec in "50 1200 400" "512 256 64"; do
-    read -r n reqs conc <<< "$spec"
+  # SERVER_SPECS: N:REQUESTS:CONCURRENCY per phase; SERVER_RATES: the open-loop rates (fractions
+  # of the closed loop's throughput)
+  for spec in ${SERVER_SPECS:-50:1200:400 512:256:64}; do
+    IFS=: read -r n reqs conc <<< "$spec"
     timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n "$n" \
-      --requests "$reqs" --concurrency "$conc" --out "$out/e2e_server_n$n$tag.json" 2>&1 >/dev/null | grep "^n="
+      --requests "$reqs" --concurrency "$conc" --rates "${SERVER_RATES:-0.5,0.7,0.9,1.1}" \
+      --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>&1 >/dev/null | grep "^n="
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
   kill -TERM $srv; wait $srv; echo "serve exit $?"; tail -3 "$out/serve$tag.log"
@@ -129,16 +132,21 @@ for what in "${@:-tests}"; do
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then
-        # E2E_N: the widths to run (default all three; n=1024 with 16 requests, no manual flags)
+        # E2E_N: the widths to run (default all three; n=1024 with 16 requests, no manual flags);
+        # E2E_ARGS: further bench flags (e.g. "--schedule decode_first"), E2E_TAG their file suffix
         for spec in ${E2E_N:-50:400 512:64 1024:16}; do
+          # shellcheck disable=SC2086  # E2E_ARGS is a list of flags
           timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" \
-            --out "$out/e2e_engine_n${spec%:*}.json" 2>&1 | tail -22
+            ${E2E_ARGS:-} --out "$out/e2e_engine_n${spec%:*}${E2E_TAG:-}.json" 2>&1 | tail -22
         done
       fi
       [[ $what == e2e-engine ]] && continue
-      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"
+      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"; SERVE_AB: a second
+      # list of flags, served and loaded after the first (file suffix _b)
       # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
-      serve_bench "" ${SERVE_ARGS:-} ;;
+      serve_bench "" ${SERVE_ARGS:-}
+      # shellcheck disable=SC2086
+      [[ -n ${SERVE_AB:-} ]] && serve_bench _b ${SERVE_AB} ;;
     server-ab)  # the server twice: admission every step (default), then --admission-delay-factor 1
       ensure_checkpoint
       serve_bench ""
@@ -156,6 +164,12 @@ for what in "${@:-tests}"; do
     syncs)  # every host-GPU synchronization in one Engine.generate (scripts/find_syncs.py)
       ensure_checkpoint
       timeout "$(left)" python3 scripts/find_syncs.py "$ck" "$out" -n 50 --requests 32 2>&1 | head -40 ;;
+    thread-probe)  # the engine loop offline, on its thread, under closed loops, beside a GIL burner
+      ensure_checkpoint
+      for spec in ${PROBE_N:-50:400 512:64}; do
+        timeout "$(left)" python3 scripts/engine_thread_probe.py "$ck" "$out" -n "${spec%:*}" \
+          --requests "${spec#*:}" --concurrency "$(( ${spec#*:} ))","$(( 2 * ${spec#*:} ))" 2>&1 | grep "^{"
+      done ;;
     request-profile)  # one unloaded request: host time, GPU kernels, launches, blocking calls
       ensure_checkpoint
       timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" 2>&1 | grep -v "^USDT"

@@ -77,7 +77,7 @@ def bench_engine(
     model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
     exclude_items: int = 0, allow_items: int = 0, filter_categories: int = 0,
-    cache_fill: float = 0.9,
+    cache_fill: float = 0.9, schedule: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
     shapes, same shared prefix) that also fills the prefix cache as a running server's is,
@@ -85,12 +85,14 @@ def bench_engine(
     `allow_items`, every request carries an item filter of that many random catalog items; with
     `filter_categories`, an attribute filter allowing that many random categories of
     `CATEGORIES`
-    (built before the clock starts, as a server builds it before submitting)."""
+    (built before the clock starts, as a server builds it before submitting). `schedule`:
+    EngineConfig.schedule (None: its default)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
     from flashrec_core.engine.heap import frozen_heap
 
-    cfg = EngineConfig(model_path=str(model_dir), show_progress=False)
+    cfg = EngineConfig(model_path=str(model_dir), show_progress=False,
+                       **({"schedule": schedule} if schedule else {}))  # fmt: skip
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
     layout = engine.layout
     spec = RequestSpec(num_requests, prompt_len, shared_prefix, n)
@@ -149,6 +151,7 @@ def bench_engine(
         "filter_categories": filter_categories,
         "kv_cache_dtype": ecfg.kv_cache_dtype,
         "quantization": ecfg.quantization,
+        "schedule": ecfg.schedule,
     }
 
 

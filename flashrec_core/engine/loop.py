@@ -103,9 +103,13 @@ class EngineLoop:
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
         self.intra_op_threads: int | None = None
         """torch intra-op (CPU) threads of the loop thread (`start`); None: torch's default."""
+        self.schedule = "interleaved"
+        """"interleaved": admit at every step boundary; "decode_first": only once no wave is in
+        flight (EngineConfig.schedule; module docstring)."""
         self.admission_delay_factor = 0.0
         """While waves are in flight, admit only once this many times the last prefill's
-        duration has passed since the last admission (the server's setting; 0: every step)."""
+        duration has passed since the last admission (the server's setting; 0: every step).
+        Interleaved only: a decode-first loop admits with nothing in flight."""
         self._last_admit_at = 0.0
         self._last_prefill_s = 0.0
         self._hit_tokens = 0
@@ -326,6 +330,8 @@ class EngineLoop:
         return False
 
     def _admit(self, now: float) -> None:
+        if self._waves and self.schedule == "decode_first":
+            return  # the waves in flight run their remaining steps back to back first
         wait = self.admission_delay_factor * self._last_prefill_s
         if self._waves and now - self._last_admit_at < wait:
             return  # let the queue grow into a larger wave; the waves in flight step meanwhile

@@ -34,9 +34,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make_engine(path: Path) -> Engine:
+def make_engine(path: Path, **fields: object) -> Engine:
     cfg = EngineConfig(model_path=str(path), device="cpu", kv_cache_tokens=4096, max_wave_rows=64,
-                       show_progress=False)  # fmt: skip
+                       show_progress=False, **fields)  # fmt: skip
     return Engine.from_config(
         cfg, SearchConfig(catalog_path=str(path / "catalog.json")), max_queue=8
     )
@@ -75,6 +75,29 @@ def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
     assert loop.stats().running_requests == 2
     assert second.admitted_at is not None, "admitted at the next step boundary"
     while not (first.future.done() and second.future.done()):
+        loop.run_once()
+    for h in (first, second):
+        [alone] = engine.generate([h.request])
+        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_decode_first_admits_once_the_wave_in_flight_has_run_its_last_step(
+    checkpoint: Path,
+) -> None:
+    """A decode-first loop steps the wave in flight to its end before the next prefill (which
+    then runs in the iteration of that last step), and answers as the requests run alone."""
+    engine = make_engine(checkpoint, schedule="decode_first")
+    loop = engine.loop
+    first = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
+    loop.run_once()  # first admitted and prefilled: level 1 of 3
+    second = loop.submit(engine.make_request(prompt="w4 w5", n=4))
+    loop.run_once()  # first's level 2
+    assert second.admitted_at is None, "no prefill between the steps of the wave in flight"
+    assert loop.stats().running_requests == 1
+    loop.run_once()  # first's last step, then second's prefill
+    assert first.future.done() and second.admitted_at is not None
+    while not second.future.done():
         loop.run_once()
     for h in (first, second):
         [alone] = engine.generate([h.request])

@@ -584,7 +584,10 @@ def _phase_line(result: dict[str, Any]) -> str:
         f"n={result['n']} {head}: {run['throughput_rps']:.1f} req/s, p50 "
         f"{run['latency_p50_ms'] or 0:.0f} / p99 {run['latency_p99_ms'] or 0:.0f} ms, "
         f"{run['errors']} errors, {engine.get('mean_requests_per_wave', 0):.1f} requests per "
-        f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f}, admissions put back "
+        f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f} "
+        f"({engine.get('mean_iteration_ms', 0):.1f} ms an iteration, CPU "
+        f"{engine.get('engine_cpu_ms_per_iteration', 0):.1f}), server CPU outside the engine "
+        f"{engine.get('other_cpu_ms_per_request', 0):.2f} ms a request, admissions put back "
         f"{engine.get('admission_retries_kv_slots', 0)} (KV) / "
         f"{engine.get('admission_retries_device_memory', 0)} (device memory)"
     )

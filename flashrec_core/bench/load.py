@@ -201,6 +201,7 @@ def unloaded(
 _ENGINE_TOTALS = (
     "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
     "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
+    "flashrec_engine_cpu_seconds_total", "process_cpu_seconds_total",
     "flashrec_request_latency_seconds_sum{endpoint=/v1/completions}",
     "flashrec_request_latency_seconds_count{endpoint=/v1/completions}",
     "flashrec_request_stage_seconds_sum{stage=queue}",
@@ -240,6 +241,9 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "mean_requests_per_wave": d["requests_admitted"] / waves,
         "engine_busy_fraction": d["busy_seconds"] / seconds if seconds > 0 else 0.0,
         "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
+        "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
+        # the server process's CPU time outside the engine loop: HTTP, parsing, answers
+        "other_cpu_ms_per_request": 1e3 * (d["process_cpu_seconds"] - d["cpu_seconds"]) / answered,
         "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
         **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
            for stage in ("queue", "prefill", "decode")},

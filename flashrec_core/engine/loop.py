@@ -120,6 +120,7 @@ class EngineLoop:
         self._waves_admitted = 0
         self._requests_admitted = 0
         self._busy_s = 0.0
+        self._cpu_s = 0.0
         self._peak_kv_used = 0
 
     # -- clients --------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class EngineLoop:
             waves_admitted=self._waves_admitted,
             requests_admitted=self._requests_admitted,
             busy_seconds=self._busy_s,
+            cpu_seconds=self._cpu_s,
             kv_slots_used=self._kv_used(),
             kv_slots_peak_used=self._peak_kv_used,
             admission_retries_kv=self._retries_kv,
@@ -283,7 +285,7 @@ class EngineLoop:
         """Retire, step, admit, results (module docstring)."""
         with self._drive:
             self._run_tasks()
-            now = time.monotonic()
+            now, cpu = time.monotonic(), time.thread_time()
             self._retire(now)
             for wave in list(self._waves):
                 self._advance(wave)
@@ -292,6 +294,7 @@ class EngineLoop:
             self._deliver()
             self._iterations += 1
             self._busy_s += time.monotonic() - now
+            self._cpu_s += time.thread_time() - cpu  # busy less this: waits (GPU, GIL, locks)
 
     def _kv_used(self) -> int:
         """KV slots held by requests in flight (neither free nor in the prefix cache)."""

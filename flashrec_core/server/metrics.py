@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -70,6 +70,11 @@ class _EngineCollector(Collector):
             "engine_waves_admitted": ("waves admitted (one prefill each)", s.waves_admitted),
             "engine_requests_admitted": ("requests admitted into waves", s.requests_admitted),
             "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),
+            "engine_cpu_seconds": (
+                "engine-thread CPU seconds inside iterations (busy less this: waiting for the "
+                "GPU, the GIL or a lock)",
+                s.cpu_seconds,
+            ),
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(f"flashrec_{name}", doc, value=value)
@@ -128,6 +133,9 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.registry.register(_EngineCollector(stats))
+        # process_cpu_seconds_total, resident memory, open files (from /proc, on Linux): less
+        # flashrec_engine_cpu_seconds_total, the CPU the HTTP side spends
+        ProcessCollector(registry=self.registry)
         if catalogs is not None:
             self.registry.register(_CatalogCollector(*catalogs))
 

@@ -152,6 +152,11 @@ def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_
             >= m["flashrec_engine_waves_admitted_total"]
         )
         assert m["flashrec_engine_busy_seconds_total"] > 0
+        # the engine thread's CPU is part of the process's, and no more than its busy time
+        # (thread_time ticks in 1 ns steps; 1 ms of slack for the two clocks' granularity)
+        cpu = m["flashrec_engine_cpu_seconds_total"]
+        assert 0 < cpu <= m["flashrec_engine_busy_seconds_total"] + 1e-3
+        assert cpu <= m["process_cpu_seconds_total"] + 1e-2  # /proc reports in 10 ms ticks
     text = profile.read_text()  # written when the engine thread ends, at shutdown
     assert "run_once" in text and "Ordered by: cumulative time" in text
 

@@ -432,6 +432,7 @@ def reference_throughput(spec: CompareSpec, setup: Setup, engine: Any, n: int, n
         torch.cuda.reset_peak_memory_stats()
     results, seconds = timed(lambda: engine.generate_many(reqs))
     sids = [result_sids(r, layout) for r in results]
+    scores = [seq.cum_logprob for r in results for seq in r.sequences]
     return {
         "requests_per_s": num / seconds,
         "seconds": seconds,
@@ -441,6 +442,11 @@ def reference_throughput(spec: CompareSpec, setup: Setup, engine: Any, n: int, n
         "cached_tokens": sum(int(r.cached_tokens) for r in results),
         "peak_memory_gib": _peak_gib(),
         **sid_checks(sids, n, setup.catalog),
+        # the reference masks each beam's top-2n tokens of a level by the catalog and keeps
+        # the masked ones at -inf, so a beam with fewer valid ones among them returns SIDs
+        # outside the catalog scored -inf (docs/benchmarks.md): this count should equal
+        # not_in_catalog
+        "negative_infinity_scores": sum(not np.isfinite(s) for s in scores),
     }
 
 

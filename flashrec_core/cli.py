@@ -586,7 +586,7 @@ def _phase_line(result: dict[str, Any]) -> str:
         f"{run['errors']} errors, {engine.get('mean_requests_per_wave', 0):.1f} requests per "
         f"wave, engine busy {engine.get('engine_busy_fraction', 0):.2f} "
         f"({engine.get('mean_iteration_ms', 0):.1f} ms an iteration, CPU "
-        f"{engine.get('engine_cpu_ms_per_iteration', 0):.1f}), server CPU outside the engine "
+        f"{engine.get('engine_cpu_ms_per_iteration', 0):.1f}), server CPU outside the engine thread "
         f"{engine.get('other_cpu_ms_per_request', 0):.2f} ms a request, admissions put back "
         f"{engine.get('admission_retries_kv_slots', 0)} (KV) / "
         f"{engine.get('admission_retries_device_memory', 0)} (device memory)"

@@ -242,7 +242,8 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "engine_busy_fraction": d["busy_seconds"] / seconds if seconds > 0 else 0.0,
         "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
         "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
-        # the server process's CPU time outside the engine loop: HTTP, parsing, answers
+        # the server process's CPU time outside the engine thread: HTTP, parsing, answers (and,
+        # for a model run on the CPU, torch's intra-op worker threads)
         "other_cpu_ms_per_request": 1e3 * (d["process_cpu_seconds"] - d["cpu_seconds"]) / answered,
         "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
         **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")

@@ -97,6 +97,13 @@ class RequestSpec:
     shared_prefix: int
     n: int
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix < self.prompt_len:
+            raise ValueError(
+                f"--shared-prefix {self.shared_prefix} must be at least 0 and below "
+                f"--prompt-len {self.prompt_len} (each prompt ends in its own tokens)"
+            )
+
 
 def synthetic_requests(
     spec: RequestSpec, layout: SidLayout, seed: int = 0, body_seed: int | None = None

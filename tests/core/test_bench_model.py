@@ -107,3 +107,8 @@ def test_random_model_builds_a_runner_on_cpu() -> None:
     assert (
         runner.beam_attention == "cascade" and runner.loaded.engine_config.triton_kernels is False
     )
+
+
+def test_a_shared_prefix_as_long_as_the_prompt_is_refused_with_both_flags_named() -> None:
+    with pytest.raises(ValueError, match="--shared-prefix 64 .* --prompt-len 64"):
+        RequestSpec(3, 64, 64, 8)

@@ -18,6 +18,9 @@ request and then other queued requests of the same n and catalog version (one wi
 its steps replay CUDA graphs); a request of another n is never passed over for more than one
 iteration per distinct n queued before it.
 
+With `schedule = "decode_first"` step 3 admits only when no wave is in flight: each wave's steps
+run back to back after its prefill, with no other wave's prefill between them.
+
 `run_once` is the whole iteration. The background thread (`start`) calls it while there is work;
 without a thread, `Engine.generate` calls it itself until its requests are done: offline and
 online use the same code path.

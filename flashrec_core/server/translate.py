@@ -72,11 +72,9 @@ def _completion_ids(engine: Engine, prompt: str | list[int], param: str) -> list
     if not prompt:
         raise bad_request("the token-id prompt is empty", param)
     vocab = engine.vocab_size
-    for j, t in enumerate(prompt):
-        if not 0 <= t < vocab:
-            raise bad_request(
-                f"token id {t} is outside the vocabulary 0..{vocab - 1}", f"{param}[{j}]"
-            )
+    if min(prompt) < 0 or max(prompt) >= vocab:  # in C; the loop only to name the bad one
+        j, t = next((j, t) for j, t in enumerate(prompt) if not 0 <= t < vocab)
+        raise bad_request(f"token id {t} is outside the vocabulary 0..{vocab - 1}", f"{param}[{j}]")
     return engine.with_sid_begin(prompt)
 
 

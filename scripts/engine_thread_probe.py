@@ -4,9 +4,9 @@ workload through the engine loop in four ways, without HTTP, to separate the cau
 1. `offline`: `Engine.generate` driving the loop on this thread (what `bench --engine` times);
 2. `thread`: the loop on its own thread (as in `flashrec serve`), every request submitted at once
    from this thread, which then waits on the futures;
-3. `closed C`: the loop thread under a closed loop of C requests in flight (as `bench --server`
-   loads the server): a request is submitted each time one finishes, so waves are as large as
-   what has arrived when the loop admits;
+3. `closed C SCHEDULE`: the loop thread under a closed loop of C requests in flight (as
+   `bench --server` loads the server): a request is submitted each time one finishes, so waves
+   are as large as what has arrived when the loop admits; once per EngineConfig.schedule;
 4. `thread + GIL d`: as 2, with a pure-Python thread holding the GIL a share `d` of the time in
    2 ms bursts (what the HTTP thread does while it parses requests and builds answers).
 
@@ -119,9 +119,14 @@ def main() -> None:
     with frozen_heap():
         measure("offline", engine.generate, args.requests)
         engine.loop.start()
+        _all_at_once(engine, fresh())  # the new thread's first run (per-thread warm-up) uncounted
         measure("thread", lambda r: _all_at_once(engine, r), args.requests)
-        for c in (int(x) for x in args.concurrency.split(",")):
-            measure(f"closed {c}", lambda r, c=c: _closed(engine, r, c), 3 * args.requests)
+        for schedule in ("interleaved", "decode_first"):
+            engine.loop.schedule = schedule
+            for c in (int(x) for x in args.concurrency.split(",")):
+                measure(f"closed {c} {schedule}", lambda r, c=c: _closed(engine, r, c),
+                        3 * args.requests)  # fmt: skip
+        engine.loop.schedule = "interleaved"
         for duty in (float(x) for x in args.duty.split(",")):
             stop = threading.Event()
             burner = threading.Thread(target=_burn, args=(duty, stop), daemon=True)

@@ -51,6 +51,9 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+_SCHEDULES = ("interleaved", "decode_first")  # EngineConfig.schedule (config imports torch)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashrec", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"flashrec-core {_version()}")
@@ -121,7 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: each request excludes this many random items")  # fmt: skip
     e2e.add_argument("--allow-items", type=int, default=0,
                      help="with --engine: each request allows only this many random items")  # fmt: skip
-    e2e.add_argument("--schedule", choices=["interleaved", "decode_first"], default=None,
+    e2e.add_argument("--schedule", choices=_SCHEDULES, default=None,
                      help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
@@ -179,7 +182,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")
     p.add_argument(
-        "--schedule", choices=["interleaved", "decode_first"], default="interleaved",
+        "--schedule", choices=_SCHEDULES, default="interleaved",
         help="admit new waves at every step boundary, or once the waves in flight have finished",
     )  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")

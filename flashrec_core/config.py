@@ -15,6 +15,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
+Schedule = Literal["interleaved", "decode_first"]
+
+
 class EngineConfig(BaseModel):
     """How to load and run a model. Every CLI flag and server setting ends up here."""
 
@@ -53,7 +56,7 @@ class EngineConfig(BaseModel):
     prefill graph less room for its pad sequences (8184; a chunk of up to 16 requests then
     replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
     max_requests: int = Field(default=1024, gt=0)
-    schedule: Literal["interleaved", "decode_first"] = "interleaved"
+    schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new
     wave's prefill runs between the steps of the waves in flight; "decode_first": once the
     waves in flight have run their last step (engine/loop.py)."""

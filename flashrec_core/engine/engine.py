@@ -70,8 +70,8 @@ class Engine:
             max_position=runner.config.max_position, depth=self.trie.depth, max_queue=max_queue,
         )  # fmt: skip
         self.loop = EngineLoop(self.wave, self.decoder, limits)
-        self.loop.schedule = ecfg.schedule
         """Admits, steps and retires requests; `generate` and the server are its clients."""
+        self.loop.schedule = ecfg.schedule
 
     @property
     def catalog(self) -> Catalog | None:

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from flashrec_core.config import Schedule
 from flashrec_core.engine.beam_wave import BeamWave, WaveState
 from flashrec_core.engine.handles import (
     DeviceMemoryError,
@@ -106,7 +107,7 @@ class EngineLoop:
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
         self.intra_op_threads: int | None = None
         """torch intra-op (CPU) threads of the loop thread (`start`); None: torch's default."""
-        self.schedule = "interleaved"
+        self.schedule: Schedule = "interleaved"
         """"interleaved": admit at every step boundary; "decode_first": only once no wave is in
         flight (EngineConfig.schedule; module docstring)."""
         self.admission_delay_factor = 0.0

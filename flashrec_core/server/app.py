@@ -173,7 +173,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     defaults = Defaults(n=settings.default_n, timeout_s=settings.request_timeout_s)
     key = settings.api_key.get_secret_value().encode() if settings.api_key else None
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
+        # async: FastAPI runs a plain `def` dependency on a worker thread, and that hand-off was
+        # a tenth of the HTTP thread's time per request (py-spy, docs/serving.md)
         if key is None:
             return
         header = request.headers.get("authorization", "")
@@ -289,11 +291,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-_LAG_PROBE_S = 0.01
+_LAG_PROBE_S = 0.1
+"""How often the lag probe wakes. At 10 ms the probe was 7% of the HTTP thread's GIL time under
+load (py-spy --gil on the CPU machine): a GIL share the engine thread pays for."""
 
 
 async def _watch_event_loop_lag(metrics: ServerMetrics) -> None:
-    """How late the event loop wakes from a 10 ms sleep: time it could not run because a
+    """How late the event loop wakes from a 100 ms sleep: time it could not run because a
     callback (or another thread holding the GIL, the engine's) kept it. A lag of tens of ms
     delays every request's parsing and answer by as much."""
     loop = asyncio.get_running_loop()

@@ -120,7 +120,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.event_loop_lag = Histogram(
             "flashrec_event_loop_lag_seconds",
-            "how late the HTTP event loop wakes from a 10 ms sleep (GIL or blocking callbacks)",
+            "how late the HTTP event loop wakes from a 100 ms sleep (GIL or blocking callbacks)",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
             registry=self.registry,
         )  # fmt: skip

@@ -206,6 +206,17 @@ def test_bad_input_gets_4xx_naming_the_field(
     assert good.status_code == 200 and len(good.json()["choices"]) == 2
 
 
+def test_a_chunked_body_is_answered(server: ServerProcess, auth: dict[str, str]) -> None:
+    """A body sent without Content-Length (chunked) is tokenized on a worker thread, not
+    inline: it is answered like any other."""
+    raw = json.dumps(_chat(n=3)).encode()
+    pieces = iter([raw[:10], raw[10:]])  # an iterator: httpx sends it chunked
+    r = httpx.post(server.url + "/v1/chat/completions", content=pieces, timeout=60,
+                   headers={"content-type": "application/json", **auth})  # fmt: skip
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+
+
 def test_auth_and_routes(server: ServerProcess, auth: dict[str, str]) -> None:
     no_key = _post(server, "/v1/chat/completions", _chat(), {})
     assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"

@@ -49,14 +49,17 @@ def launch_rms_norm_quant_fp8(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch one program per row; arguments are validated by the public wrapper."""
+    """Launch one program per row; arguments are validated by the public wrapper. `num_warps`
+    overrides the row's default (scripts/bench_elementwise.py tries others)."""
     t, n = x.shape
     q, scale = empty_fp8_rows(t, n, x.device)
     res_out = None if residual is None else torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
         return q, scale, res_out
-    block, num_warps = row_launch_config(n)
+    block, default_warps = row_launch_config(n)
+    num_warps = num_warps or default_warps
     # Without a residual the residual pointers are never read; x stands in for them.
     res_in = x if residual is None else residual
     _rms_norm_quant_fp8_kernel[(t,)](

@@ -62,16 +62,18 @@ def _silu_mul_quant_fp8_kernel(
 
 
 def launch_silu_mul_quant_fp8(
-    gate_up: torch.Tensor, act: int = ACT_SILU
+    gate_up: torch.Tensor, act: int = ACT_SILU, chunk: int = _CHUNK, num_warps: int = 4
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; arguments are validated by the public wrapper."""
+    """Launch one program per row; arguments are validated by the public wrapper. `chunk` and
+    `num_warps` are the launch configuration (scripts/bench_elementwise.py tries others)."""
     t, two_i = gate_up.shape
     inter = two_i // 2
     q, scale = empty_fp8_rows(t, inter, gate_up.device)
     if t == 0 or inter == 0:
         return q, scale
-    chunk = min(_CHUNK, triton.next_power_of_2(inter))
+    chunk = min(chunk, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
-        gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act, num_warps=4
-    )
+        gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act,
+        num_warps=num_warps,
+    )  # fmt: skip
     return q, scale

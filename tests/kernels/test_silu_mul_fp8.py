@@ -65,6 +65,21 @@ def test_kernel_wide_rows_span_several_chunks(device: torch.device) -> None:
     assert_fp8_close(q, scale, q_ref, scale_ref, scale_max_ulp=SCALE_ULP, **CODE_TOL)
 
 
+@pytest.mark.parametrize("chunk,num_warps", [(512, 2), (4096, 8)])
+def test_launch_configurations_give_the_same_codes(
+    device: torch.device, chunk: int, num_warps: int
+) -> None:
+    """scripts/bench_elementwise.py times other launch configurations than the default: they
+    split a row among threads differently, and must not change a code or a scale."""
+    from flashrec_kernels.triton_silu_mul import launch_silu_mul_quant_fp8
+
+    gate_up = _gate_up(3, 2500, torch.bfloat16, seed=5).to(device)
+    want = launch_silu_mul_quant_fp8(gate_up)
+    got = launch_silu_mul_quant_fp8(gate_up, chunk=chunk, num_warps=num_warps)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+
+
 def test_kernel_empty_batch(device: torch.device) -> None:
     q, scale = silu_mul_quant_fp8(torch.empty(0, 128, device=device))
     assert q.shape == (0, 64) and scale.shape == (0, 1)

@@ -11,13 +11,22 @@
 # PYTEST_WORKERS (default 4) runs the pytest stages under pytest-xdist: FlashInfer JIT-compiles
 # different kernel variants in different workers at once (it locks per variant).
 set -uo pipefail
-out=${OUT:-bench_out}
+# What comes back from the device tool is at most 8 files: the script's output goes to
+# $OUT/run.log as it is printed (so a call killed from outside still returns it), every stage's
+# files to a work folder packed into $OUT/results.tgz on exit, the compiled kernels to
+# $OUT/ficache.txz.* and $OUT/triton.txz.*.
+final=${OUT:-bench_out}
+out=/tmp/gpu_results
+mkdir -p "$final" "$out"
+exec > >(tee -a "$final/run.log") 2>&1
 guard=${STAGE_S:-420}
 deadline=$(( $(date +%s) + ${CALL_S:-550} ))
 # seconds the next command may run: its stage guard, cut to what is left before the deadline
 left() { local rest=$(( deadline - $(date +%s) )); (( rest < guard )) && echo $(( rest > 1 ? rest : 1 )) || echo "$guard"; }
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# seconds before the deadline; every wait in this script is bounded by it, so the script always
+# ends (and packs) on its own before the call's limit
+remaining() { echo $(( deadline - $(date +%s) )); }
+timeout 180 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site MAX_JOBS=16 PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 # FlashInfer JIT-compiles each kernel variant on first use (10-60 s each) into a cache that dies
 # with the machine. The .so files of a previous run (.ficache/, brought with `carry`) are
@@ -36,17 +45,21 @@ if compgen -G ".ficache/triton.txz.*" >/dev/null; then
   cat .ficache/triton.txz.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "restored $(ls "$TRITON_CACHE_DIR" | wc -l) Triton kernels"
 fi
 pack_kernels() {
-  [[ -n $(ls "$TRITON_CACHE_DIR") ]] && tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15m - "$out/triton.txz."
+  [[ -n $(ls "$TRITON_CACHE_DIR") ]] && tar cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -6 | split -b 15m - "$final/triton.txz."
   local tmp; tmp=$(mktemp -d)
   find /tmp/fiws -name '*.so' -path '*cached_ops*' | while read -r f; do
     d="$tmp/$(basename "$(dirname "$f")")"; mkdir -p "$d"; cp "$f" "$d/"; done
   [[ -d $aot ]] && cp -r --update=none "$aot"/. "$tmp"/
-  [[ -n $(ls "$tmp") ]] && tar cf - -C "$tmp" . | xz -T0 -6 | split -b 15m - "$out/ficache.txz."
-  ls -la "$out"/ficache.txz.* 2>/dev/null
+  [[ -n $(ls "$tmp") ]] && tar cf - -C "$tmp" . | xz -T0 -6 | split -b 15m - "$final/ficache.txz."
 }
-trap pack_kernels EXIT
+finish() {
+  pack_kernels
+  tar czf "$final/results.tgz" -C "$out" .
+  ls -la "$final"
+}
+trap finish EXIT
 plugins=(); for p in flashrec_models_*/; do plugins+=(-e "./${p%/}"); done
-python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" || exit 1
+timeout 300 python3 -m pip install -q --no-deps --no-build-isolation -e . "${plugins[@]}" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 bench() { timeout "$(left)" flashrec bench --preset qwen3-1.7b "$@"; }
 workers=${PYTEST_WORKERS:-4}
@@ -62,6 +75,22 @@ ck=/tmp/bench-ckpt  # the bench preset as a real checkpoint directory (e2e, filt
 ensure_checkpoint() {
   [[ -f $ck/config.json ]] || timeout "$(left)" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
 }
+# wait_ready PORT: until the server there answers /ready (true) or the deadline is 10 s away
+wait_ready() {
+  while (( $(remaining) > 10 )); do
+    curl -sf "localhost:$1/ready" >/dev/null && return 0
+    sleep 0.5
+  done
+  echo "the server on port $1 was not ready before the call's deadline"; return 1
+}
+# stop_server PID: SIGTERM (the server drains), then SIGKILL once 30 s or the deadline passed
+stop_server() {
+  kill -TERM "$1"
+  local end=$(( $(date +%s) + 30 ))
+  while kill -0 "$1" 2>/dev/null && (( $(date +%s) < end && $(remaining) > 3 )); do sleep 0.5; done
+  kill -0 "$1" 2>/dev/null && { echo "server $1 still running: killed"; kill -KILL "$1"; }
+  wait "$1"; echo "serve exit $?"
+}
 # serve_bench TAG [SERVE FLAGS...]: flashrec serve on the bench checkpoint, then the server bench at
 # the SERVER_SPECS phases; each is printed as it ends and written to $out/e2e_server_nN_cC$TAG.json
 serve_bench() {
@@ -69,7 +98,7 @@ serve_bench() {
   flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 "$@" \
     ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile$tag.txt"} > "$out/serve$tag.log" 2>&1 &
   srv=$!
-  for _ in $(seq 600); do curl -sf localhost:8123/ready >/dev/null && break; sleep 0.5; done
+  wait_ready 8123 || { stop_server $srv; tail -5 "$out/serve$tag.log"; return; }
   echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: $*)"
   # each phase sends 3-4x the concurrency, so the closed loop measures a steady state, not one
   # burst, and each open-loop rate runs long enough for a p99
@@ -82,10 +111,11 @@ serve_bench() {
       --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>&1 >/dev/null | grep "^n="
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
-  kill -TERM $srv; wait $srv; echo "serve exit $?"; tail -3 "$out/serve$tag.log"
+  stop_server $srv; tail -3 "$out/serve$tag.log"
 }
 
 for what in "${@:-tests}"; do
+  (( $(remaining) > 15 )) || { echo "=== stage $what skipped: the call's deadline is near"; continue; }
   echo "=== stage $what ($(date +%T))"
   case $what in
     gputests)
@@ -181,10 +211,10 @@ for what in "${@:-tests}"; do
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \
         --profile-engine "$out/engine_profile.txt" > "$out/serve_profile.log" 2>&1 &
       srv=$!
-      for _ in $(seq 600); do curl -sf localhost:8124/ready >/dev/null && break; sleep 0.5; done
+      wait_ready 8124 || { stop_server $srv; continue; }
       timeout "$(left)" flashrec bench --server http://127.0.0.1:8124 --model-dir "$ck" -n 50 --requests 200 \
         --concurrency 200 --rates 0.7 --out "$out/server_profile_n50.json" 2>&1 | grep -E "throughput|p50|busy|per_wave|lag|mean_ms"
-      kill -TERM $srv; wait $srv; head -70 "$out/engine_profile.txt" ;;
+      stop_server $srv; head -70 "$out/engine_profile.txt" ;;
     compare)  # the reference engine and ours: same checkpoint, catalog, prompts and timing
       ensure_checkpoint
       # its own --target dir, on PYTHONPATH for the script only (it runs on the deps in /tmp/site)

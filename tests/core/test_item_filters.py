@@ -42,15 +42,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     catalog = {",".join(map(str, c)): [f"i{j}", f"j{j}"] if j % 7 == 0 else f"i{j}"
                for j, c in enumerate(codes)}  # fmt: skip
     (path / "catalog.json").write_text(json.dumps(catalog))
-    engines = {
-        norm: Engine.from_config(
-            EngineConfig(
-                model_path=str(path), device="cpu", kv_cache_tokens=1 << 14, show_progress=False
-            ),
-            SearchConfig(catalog_path=str(path / "catalog.json"), sid_normalization=norm),
-        )  # fmt: skip
+    config = EngineConfig(
+        model_path=str(path), device="cpu", kv_cache_tokens=1 << 14, show_progress=False
+    )
+    catalog = str(path / "catalog.json")
+    # keyed by normalization (the catalog's automatic trie, dense at this size) and by
+    # (normalization, trie kind) for the exactness test, which runs both tries
+    engines: dict = {
+        norm: Engine.from_config(config, SearchConfig(catalog_path=catalog, sid_normalization=norm))
         for norm in ("level", "sid")
     }
+    for norm in ("level", "sid"):
+        engines[norm, "dense"] = engines[norm]
+        engines[norm, "csr"] = Engine.from_config(
+            config, SearchConfig(catalog_path=catalog, sid_normalization=norm, trie_kind="csr")
+        )
     return engines, hf
 
 
@@ -69,13 +75,15 @@ def _random_filter(engine: Engine, rng: random.Random) -> dict:
     return out
 
 
+@pytest.mark.parametrize("trie", ["dense", "csr"])
 @pytest.mark.parametrize("normalization", ["level", "sid"])
 @pytest.mark.parametrize("trial", range(6))
 def test_filtered_search_equals_beam_search_over_the_filtered_catalog(
-    setup, normalization: str, trial: int
+    setup, normalization: str, trial: int, trie: str
 ) -> None:
     engines, hf = setup
-    engine = engines[normalization]
+    engine = engines[normalization, trie]
+    assert type(engine.wave.trie).__name__ == {"dense": "DenseTrie", "csr": "CsrTrie"}[trie]
     rng = random.Random(100 + trial)
     requests = []
     for p in PROMPTS:
@@ -139,10 +147,10 @@ def test_filters_that_name_nothing_are_errors(setup) -> None:
         engine.make_request(prompt="w1", n=2, allow_items=["i3"], exclude_items=["i3"])
 
 
-@pytest.fixture(scope="module")
-def with_metadata(setup, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["dense", "csr"])
+def with_metadata(setup, tmp_path_factory: pytest.TempPathFactory, request):
     """The same model and SIDs, the catalog in its metadata form: a category and a stock flag
-    per item."""
+    per item; once with each trie."""
     engines, hf = setup
     base = engines["level"]
     path = tmp_path_factory.mktemp("meta") / "catalog.json"
@@ -153,7 +161,8 @@ def with_metadata(setup, tmp_path_factory: pytest.TempPathFactory):
              for group in base.catalog.items for item in group}  # fmt: skip
     path.write_text(json.dumps({"sids": sids, "items": items}))
     engine = Engine.from_config(
-        base.runner.loaded.engine_config, SearchConfig(catalog_path=str(path))
+        base.runner.loaded.engine_config,
+        SearchConfig(catalog_path=str(path), trie_kind=request.param),
     )
     return engine, hf
 
@@ -230,10 +239,11 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
 
 
-def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup) -> None:
+@pytest.mark.parametrize("trie", ["dense", "csr"])
+def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup, trie: str) -> None:
     """Each inner level's mask, built from running counts over contiguous runs, equals the
     brute-force rule: a prefix is open when some allowed SID starts with it."""
-    engine = setup[0]["level"]
+    engine = setup[0]["level", trie]
     catalog, trie = engine.catalog, engine.catalogs.get().host_trie
     rng = random.Random(5)
     filters = [None, *(engine.create_filter(**_random_filter(engine, rng)) for _ in range(5))]

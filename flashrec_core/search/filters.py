@@ -49,9 +49,15 @@ class ItemFilter:
     packed_sids: np.ndarray = field(init=False, repr=False)
     """`sid_mask` as bits (np.packbits): what a GPU wave uploads, 8x less than the bools; packed
     when the request is made, off the engine thread."""
+    num_closed: int = field(init=False)
+    """Catalog SIDs this filter closes (none of their items allowed): the candidates the search
+    never opens for this request (the server's flashrec_filtered_sids_total)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "packed_sids", np.packbits(self.sid_mask))
+        object.__setattr__(
+            self, "num_closed", int(self.sid_mask.size - np.count_nonzero(self.sid_mask))
+        )
 
     def keeps(self, item: str) -> bool:
         i = self.index.item_index.get(item)

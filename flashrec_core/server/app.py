@@ -209,7 +209,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             gens = translate(engine, body, defaults)
         else:
             gens = await run_in_threadpool(translate, engine, body, defaults)
-        state.metrics.filtered.inc(sum(g.item_filter is not None for g in gens))
+        filters = [g.item_filter for g in gens if g.item_filter is not None]
+        state.metrics.filtered.inc(len(filters))
+        state.metrics.filtered_sids.inc(sum(f.num_closed for f in filters))
         timeout = body.timeout or defaults.timeout_s
         results = await _run_requests(engine, request, gens, timeout)
         for r in results:

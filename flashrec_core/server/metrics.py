@@ -128,6 +128,11 @@ class ServerMetrics:
             "flashrec_filtered_requests", "requests with item filters (exclude, allow, filters)",
             registry=self.registry,
         )  # fmt: skip
+        self.filtered_sids = Counter(
+            "flashrec_filtered_sids",
+            "catalog SIDs closed to requests by their item filters, summed over requests",
+            registry=self.registry,
+        )  # fmt: skip
         self.deduplicated = Counter(
             "flashrec_deduplicated_items", "repeated items dropped from return='items' lists",
             registry=self.registry,

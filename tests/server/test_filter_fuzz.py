@@ -48,9 +48,9 @@ def test_filtered_items_never_come_back(server: ServerProcess, checkpoint: Path)
 
             return await asyncio.gather(*(one(b) for b in bodies))
 
-    before = read_metrics(server.url).get("flashrec_filtered_requests_total", 0)
+    start = read_metrics(server.url)
     answers = asyncio.run(send())
-    returned = 0
+    returned, closed = 0, 0
     for body, (excluded, allowed), r in zip(bodies, rules, answers):
         if r.status_code == 400:  # an allow-list wholly excluded: refused, with the field named
             assert allowed is not None and not (allowed - excluded), r.text
@@ -63,7 +63,13 @@ def test_filtered_items_never_come_back(server: ServerProcess, checkpoint: Path)
         left = len(allowed - excluded) if allowed is not None else len(items) - len(excluded)
         assert len(r.json()["choices"]) == min(body["n"], left)
         returned += len(got)
+        closed += len(items) - left  # one item per SID in this catalog: the SIDs it closed
     assert returned > REQUESTS
     after = read_metrics(server.url)
-    assert after["flashrec_filtered_requests_total"] - before >= REQUESTS * 0.99
+
+    def counted(name: str) -> float:
+        return after[name] - start.get(name, 0)
+
+    assert counted("flashrec_filtered_requests_total") >= REQUESTS * 0.99
+    assert counted("flashrec_filtered_sids_total") == closed
     assert after["flashrec_invalid_results_total"] == 0

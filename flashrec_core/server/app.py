@@ -91,18 +91,22 @@ STREAMED: dict[int | str, dict[str, Any]] = {
 
 
 INLINE_TRANSLATE_BYTES = 64 * 1024
-"""Bodies up to this size are checked and tokenized on the event loop thread. Tokenizing holds
-the GIL either way, so a worker thread adds no parallelism, only its hand-off (anyio's queue,
-limiter and wake-up: 0.2 of the 0.84 ms of HTTP-thread CPU an n=50 request took, measured on
-the CPU machine); larger bodies (long text, large item filters) still go to a worker thread so
-one of them cannot keep the event loop from other requests' I/O for its whole duration."""
+"""Bodies up to this size without item filters are checked and tokenized on the event loop
+thread. Tokenizing holds the GIL either way, so a worker thread adds no parallelism, only its
+hand-off (anyio's queue, limiter and wake-up: 0.2 of the 0.84 ms of HTTP-thread CPU an n=50
+request took, measured on the CPU machine). Larger bodies (long text) and filtered requests
+(masks over the whole catalog: 1-3 ms at a million items) go to a worker thread, which the
+interpreter switches away from every few hundred microseconds, so one of them cannot keep the
+event loop from other requests' I/O for its whole duration."""
 
 
-def _body_size(request: Request) -> int:
-    """The request body's declared size; a chunked body (no Content-Length) counts as large,
-    since its size is not known up front."""
+def _translate_inline(request: Request, body: Any) -> bool:
+    """Whether this request is translated on the event loop (INLINE_TRANSLATE_BYTES). A chunked
+    body (no Content-Length) counts as large: its size is not known up front."""
+    if body.exclude_items or body.allow_items is not None or body.filters:
+        return False
     length = request.headers.get("content-length", "")
-    return int(length) if length.isdigit() else INLINE_TRANSLATE_BYTES + 1
+    return length.isdigit() and int(length) <= INLINE_TRANSLATE_BYTES
 
 
 @dataclass
@@ -205,7 +209,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """The shared part of both generation routes: checks, tokenize, run, metrics."""
         check_model(body.model)
         check_serving()
-        if _body_size(request) <= INLINE_TRANSLATE_BYTES:
+        if _translate_inline(request, body):
             gens = translate(engine, body, defaults)
         else:
             gens = await run_in_threadpool(translate, engine, body, defaults)

@@ -38,10 +38,11 @@ def _ms(fn) -> float:
 
 
 def _copy_gbps(nbytes: int) -> float:
-    """The card's device-to-device copy bandwidth at this size (read + write counted)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
+    """The card's device-to-device copy bandwidth for a copy that moves `nbytes` in all (half
+    read, half written), the same traffic as the kernel it is compared with."""
+    src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device=DEV)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _ms(lambda: dst.copy_(src)) / 1e6
+    return 4 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
 
 
 def _row(kernel: str, tokens: int, config: dict, ms: float, nbytes: int, floor_gbps: float):

@@ -3,8 +3,9 @@ one program per token row, in two passes over chunks; ACT picks the activation o
 
 Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 finds the row's
 absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
-this is about 1.6x faster than a whole-row block at I = 12288. A launch whose chunk covers the
-row runs one pass instead (the row stays in registers); scripts/bench_elementwise.py times both.
+this is about 1.6x faster than a whole-row block at I = 12288. A launch asked for `one_pass`
+whose chunk covers the row keeps the row in registers instead (not the default until measured
+on the device; scripts/bench_elementwise.py times both).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr):
 @triton.jit
 def _silu_mul_quant_fp8_kernel(
     gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
-    if INTER <= CHUNK:  # the whole row in one block: one pass, y stays in registers
+    if ONE_PASS:  # the whole row in one block (INTER <= CHUNK): y stays in registers
         offs = tl.arange(0, CHUNK)
         mask = offs < INTER
         y = _silu_mul(row_ptr, offs, mask, INTER, ACT)
@@ -71,10 +72,15 @@ def _silu_mul_quant_fp8_kernel(
 
 
 def launch_silu_mul_quant_fp8(
-    gate_up: torch.Tensor, act: int = ACT_SILU, chunk: int = _CHUNK, num_warps: int = 4
+    gate_up: torch.Tensor,
+    act: int = ACT_SILU,
+    chunk: int = _CHUNK,
+    num_warps: int = 4,
+    one_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; arguments are validated by the public wrapper. `chunk` and
-    `num_warps` are the launch configuration (scripts/bench_elementwise.py tries others)."""
+    """Launch one program per row; arguments are validated by the public wrapper. `chunk`,
+    `num_warps` and `one_pass` (one pass when the chunk covers the row) are the launch
+    configuration (scripts/bench_elementwise.py tries others)."""
     t, two_i = gate_up.shape
     inter = two_i // 2
     q, scale = empty_fp8_rows(t, inter, gate_up.device)
@@ -83,6 +89,6 @@ def launch_silu_mul_quant_fp8(
     chunk = min(chunk, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
         gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act,
-        num_warps=num_warps,
+        ONE_PASS=one_pass and inter <= chunk, num_warps=num_warps,
     )  # fmt: skip
     return q, scale

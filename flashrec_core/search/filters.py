@@ -71,7 +71,7 @@ class ItemFilter:
 
     @property
     def num_sids(self) -> int:
-        return int(self.sid_mask.sum())
+        return self.sid_mask.size - self.num_closed
 
 
 class CatalogIndex:

@@ -239,11 +239,11 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
 
 
-@pytest.mark.parametrize("trie", ["dense", "csr"])
-def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup, trie: str) -> None:
+@pytest.mark.parametrize("kind", ["dense", "csr"])
+def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup, kind: str) -> None:
     """Each inner level's mask, built from running counts over contiguous runs, equals the
     brute-force rule: a prefix is open when some allowed SID starts with it."""
-    engine = setup[0]["level", trie]
+    engine = setup[0]["level", kind]
     catalog, trie = engine.catalog, engine.catalogs.get().host_trie
     rng = random.Random(5)
     filters = [None, *(engine.create_filter(**_random_filter(engine, rng)) for _ in range(5))]

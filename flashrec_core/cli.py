@@ -126,6 +126,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: each request allows only this many random items")  # fmt: skip
     e2e.add_argument("--schedule", choices=_SCHEDULES, default=None,
                      help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--no-prefill-split-kv", action="store_true",
+                     help="with --engine: prefill graphs without split-KV (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -195,6 +197,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk-tokens", type=int, default=None, metavar="T",
         help="run a prefill as forwards of at most T new tokens each (default: 8184 with "
         "prefill graphs, so chunks replay the largest one; else 32768; 0: one forward)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-prefill-split-kv", action="store_true",
+        help="plan prefill graphs' FlashInfer attention without split-KV (no merge kernel over "
+        "the graph's pad rows)",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
@@ -272,6 +279,7 @@ _ENGINE_FLAGS = {
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
+    "no_prefill_split_kv": "prefill_split_kv",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -496,6 +504,14 @@ def _read_messages(path: str) -> list[dict[str, str]]:
     return data
 
 
+def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields `bench --engine` sets away from their defaults."""
+    out: dict[str, Any] = {"schedule": args.schedule} if args.schedule else {}
+    if args.no_prefill_split_kv:
+        out["prefill_split_kv"] = False
+    return out
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flashrec_core.bench.run import BenchConfig, main_bench
 
@@ -536,7 +552,7 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         result = e2e.bench_engine(
             Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
             level_sizes, exclude_items=args.exclude_items, allow_items=args.allow_items,
-            filter_categories=args.filter_categories, schedule=args.schedule,
+            filter_categories=args.filter_categories, engine_settings=_bench_engine_settings(args),
         )  # fmt: skip
     else:
         from flashrec_core.bench.load import run_server_bench, server_floor

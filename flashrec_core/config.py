@@ -55,6 +55,11 @@ class EngineConfig(BaseModel):
     span two), so its activations stay bounded whatever the wave's size. None: the largest
     prefill graph less room for its pad sequences (8184; a chunk of up to 16 requests then
     replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
+    prefill_split_kv: bool = True
+    """Let FlashInfer split a prefill graph's attention over the KV (a partial result per split,
+    then a merge kernel). A graph's launch grid is fixed by its first plan at its largest size,
+    so the merge runs over every pad row too; False plans each query tile over its whole KV
+    instead (no merge). Only the FlashInfer backend's prefill graphs read it."""
     max_requests: int = Field(default=1024, gt=0)
     schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), thread-probe (scripts/engine_thread_probe.py: the engine loop offline, on its thread, under closed loops, beside a GIL burner; PROBE_N="50:400"), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), elementwise (scripts/bench_elementwise.py: SiLU-mul and RMSNorm launch configurations against the copy bandwidth), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), splitkv (prefill graphs with and without FlashInfer's split-KV: request-profile and Engine.generate at n=50, A then B), thread-probe (scripts/engine_thread_probe.py: the engine loop offline, on its thread, under closed loops, beside a GIL burner; PROBE_N="50:400"), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), elementwise (scripts/bench_elementwise.py: SiLU-mul and RMSNorm launch configurations against the copy bandwidth), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -205,6 +205,20 @@ for what in "${@:-tests}"; do
     request-profile)  # one unloaded request: host time, GPU kernels, launches, blocking calls
       ensure_checkpoint
       timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" 2>&1 | grep -v "^USDT"
+      gzip -f "$out"/trace_request_*.json ;;
+    splitkv)  # prefill graphs with FlashInfer's split-KV (default) and without: one request's
+      # profile at both widths, then Engine.generate at n=50 (SPLITKV_N="N:REQUESTS"), each A then B
+      ensure_checkpoint
+      for flag in "" --no-prefill-split-kv; do
+        tag=${flag:+_nosplit}
+        # shellcheck disable=SC2086  # $flag is empty or one flag
+        timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" --repeats 10 --tag "$tag" $flag \
+          2>&1 | grep -E "^(## n=|wall|GPU|per request)"
+        spec=${SPLITKV_N:-50:400}
+        # shellcheck disable=SC2086
+        timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
+          --out "$out/splitkv_n${spec%:*}$tag.json" 2>&1 | grep -E "requests_per_s|percent|latency|replays|split"
+      done
       gzip -f "$out"/trace_request_*.json ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load
       ensure_checkpoint

@@ -29,7 +29,7 @@ from flashrec_core.engine.engine import Engine
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def _profile_width(engine: Engine, n: int, repeats: int, out: Path) -> str:
+def _profile_width(engine: Engine, n: int, repeats: int, out: Path, tag: str = "") -> str:
     spec = RequestSpec(1, 1024, 64, n)
     for seed in range(3):  # warm-up at this width: graphs, allocator, JIT
         engine.generate(synthetic_requests(spec, engine.layout, seed=0, body_seed=100 + seed))
@@ -81,7 +81,7 @@ def _profile_width(engine: Engine, n: int, repeats: int, out: Path) -> str:
         f"cProfile of {repeats} requests (Python, by own time):",
         text.getvalue(),
     ]
-    prof.export_chrome_trace(str(out / f"trace_request_n{n}.json"))
+    prof.export_chrome_trace(str(out / f"trace_request_n{n}{tag}.json"))
     return "\n".join(lines)
 
 
@@ -91,16 +91,18 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--widths", default="50,512")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-prefill-split-kv", action="store_true", help="EngineConfig field")
+    ap.add_argument("--tag", default="", help="suffix of the output files' names")
     args = ap.parse_args()
     ckpt, out = Path(args.checkpoint), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = Engine.from_config(
-        EngineConfig(model_path=str(ckpt), show_progress=False),
-        SearchConfig(catalog_path=str(ckpt / "catalog.json")),
+    cfg = EngineConfig(
+        model_path=str(ckpt), show_progress=False, prefill_split_kv=not args.no_prefill_split_kv
     )
+    engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(ckpt / "catalog.json")))
     for n in (int(w) for w in args.widths.split(",")):
-        text = _profile_width(engine, n, args.repeats, out)
-        (out / f"profile_request_n{n}.txt").write_text(text)
+        text = _profile_width(engine, n, args.repeats, out, args.tag)
+        (out / f"profile_request_n{n}{args.tag}.txt").write_text(text)
         print(text.split("top operators")[0], flush=True)
 
 

@@ -125,6 +125,7 @@ class FlashInferAttentionBackend:
         max_context: int = 16384,
         max_suffix: int = 8,
         layers: Sequence[AttentionSpec] = (),
+        prefill_split_kv: bool = True,
     ) -> None:
         import flashinfer
 
@@ -133,6 +134,7 @@ class FlashInferAttentionBackend:
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.cascade = cascade
+        self.prefill_split_kv = prefill_split_kv  # prefill graphs only (EngineConfig's field)
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.tensor_cores = num_q_heads != num_kv_heads
         # NOTE: two float workspaces: the prefix and suffix kernels of one cascade layer run back
@@ -186,8 +188,11 @@ class FlashInferAttentionBackend:
     ) -> GroupedMetadata:
         """One plan per layer group (see `_plan_group`)."""
         if isinstance(graph, PrefillGraphAttention):
+            split = {} if self.prefill_split_kv else {"disable_split_kv": True}
             return GroupedMetadata(
-                tuple(self._plan_prefill(step, g, w) for g, w in enumerate(graph.per_group))
+                tuple(
+                    self._plan_prefill(step, g, w, **split) for g, w in enumerate(graph.per_group)
+                )
             )
         return GroupedMetadata(
             tuple(
@@ -235,13 +240,15 @@ class FlashInferAttentionBackend:
         assert graph is None, "prefill graphs plan through PrefillGraphAttention"
         return self._plan_prefill(step, g, eager.prefill)
 
-    def _plan_prefill(self, step: StepInput, g: int, wrapper: Any) -> FlashInferMetadata:
+    def _plan_prefill(
+        self, step: StepInput, g: int, wrapper: Any, **split: bool
+    ) -> FlashInferMetadata:
         hq, hkv, d = self.shape
         self._plan(
             wrapper,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(step.qo_indptr.numel() - 1),
-            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]),
+            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]), **split,
         )  # fmt: skip
         return FlashInferMetadata("prefill", wrapper)
 

@@ -77,7 +77,7 @@ def bench_engine(
     model_dir: Path, n: int, num_requests: int, prompt_len: int, shared_prefix: int,
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
     exclude_items: int = 0, allow_items: int = 0, filter_categories: int = 0,
-    cache_fill: float = 0.9, schedule: str | None = None,
+    cache_fill: float = 0.9, engine_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
     shapes, same shared prefix) that also fills the prefix cache as a running server's is,
@@ -85,14 +85,13 @@ def bench_engine(
     `allow_items`, every request carries an item filter of that many random catalog items; with
     `filter_categories`, an attribute filter allowing that many random categories of
     `CATEGORIES`
-    (built before the clock starts, as a server builds it before submitting). `schedule`:
-    EngineConfig.schedule (None: its default)."""
+    (built before the clock starts, as a server builds it before submitting).
+    `engine_settings`: EngineConfig fields that differ from their defaults (e.g. `schedule`)."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
     from flashrec_core.engine.heap import frozen_heap
 
-    cfg = EngineConfig(model_path=str(model_dir), show_progress=False,
-                       **({"schedule": schedule} if schedule else {}))  # fmt: skip
+    cfg = EngineConfig(model_path=str(model_dir), show_progress=False, **(engine_settings or {}))
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(model_dir / "catalog.json")))
     layout = engine.layout
     spec = RequestSpec(num_requests, prompt_len, shared_prefix, n)
@@ -152,6 +151,7 @@ def bench_engine(
         "kv_cache_dtype": ecfg.kv_cache_dtype,
         "quantization": ecfg.quantization,
         "schedule": ecfg.schedule,
+        "prefill_split_kv": ecfg.prefill_split_kv,
     }
 
 

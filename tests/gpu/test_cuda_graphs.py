@@ -22,7 +22,7 @@ from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["cascade", "flat", "triton"])
+@pytest.fixture(scope="module", params=["cascade", "flat", "triton", "triton-no-split-kv"])
 def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     spec = Registry.discover().resolve("Qwen3ForCausalLM")
     path = tmp_path_factory.mktemp("graphs")
@@ -31,7 +31,8 @@ def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     cfg = EngineConfig(
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
         cascade_attention=request.param != "flat", max_wave_rows=256, quantization="none",
-        beam_attention="triton" if request.param == "triton" else "cascade",
+        beam_attention="triton" if request.param.startswith("triton") else "cascade",
+        prefill_split_kv=request.param != "triton-no-split-kv",
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf
 

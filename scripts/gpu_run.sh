@@ -120,8 +120,9 @@ for what in "${@:-tests}"; do
   case $what in
     gputests)
       pytest_gpu "$out/gpu_tests.log" tests/gpu tests/kernels/test_trie_topk.py tests/kernels/test_beam_attention.py ;;
-    prefillgraphs)  # the prefill graph tests alone (replay == eager, chunked prefills)
-      pytest_gpu "$out/graph_tests.log" tests/gpu/test_cuda_graphs.py -k prefill ;;
+    prefillgraphs)  # the prefill graph tests alone (replay == eager, chunked prefills); GRAPH_K
+      # replaces the -k expression (e.g. "split": every graph test on the no-split-KV engine)
+      pytest_gpu "$out/graph_tests.log" tests/gpu/test_cuda_graphs.py -k "${GRAPH_K:-prefill}" ;;
     beamkernel)  # the Triton beam kernel natively against its reference (split-KV included)
       pytest_gpu "$out/beam_kernel_tests.log" tests/kernels/test_beam_attention.py ;;
     tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests

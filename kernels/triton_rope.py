@@ -1,4 +1,5 @@
-"""Triton kernel of `rope_norm_store`: one program per (token, block of up to 16 heads).
+"""Triton kernel of `rope_norm_store`: one program per (block of tokens, block of up to 16
+heads); one token per program by default (`tokens_per_program`).
 
 q blocks rotate q heads in place; kv blocks rotate k heads in place and store them and the
 matching v heads into the caches at out_loc. All offsets are explicit strides, so q/k/v can
@@ -35,8 +36,9 @@ def _norm_rope_rows(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Load a block of head rows ([BLOCK_R] pointers), RMS-normalize each (if HAS_NORM), rotate;
-    fp32 (x1', x2', whole rows), each [BLOCK_R, BLOCK_H or BLOCK_D]."""
+    """Load a block of head rows ([R] pointers), RMS-normalize each (if HAS_NORM), rotate by
+    each row's cos / sin ([R, BLOCK_H]); fp32 (x1', x2', whole rows), each [R, BLOCK_H or
+    BLOCK_D]."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
     mask_x = mask_rows[:, None] & (offs_d < D)[None, :]
@@ -55,7 +57,7 @@ def _norm_rope_rows(
         x = x * inv_rms * w
         x1 = x1 * inv_rms * w1
         x2 = x2 * inv_rms * w2
-    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :], x
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, x
 
 
 @triton.jit
@@ -88,31 +90,36 @@ def _rope_norm_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, qw_ptr, kw_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h, cs_stride, pos_stride, loc_stride, eps,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
+    num_tokens, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Program (token, block): blocks < Q_BLOCKS rotate BLOCK_R q heads in place; the others
-    rotate BLOCK_R k heads in place and store them and the matching v heads into the caches."""
-    tok = tl.program_id(0).to(tl.int64)
+    """Program (block of BLOCK_T tokens, head block): head blocks < Q_BLOCKS rotate BLOCK_R q
+    heads of each token in place; the others rotate BLOCK_R k heads in place and store them and
+    the matching v heads into the caches. Its BLOCK_T x BLOCK_R head rows are one flat block."""
     block = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_T * BLOCK_R)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + offs_r // BLOCK_R
+    head = offs_r % BLOCK_R
+    mask_t = tok < num_tokens
     offs_h = tl.arange(0, BLOCK_H)
-    mask_h = offs_h < HALF
-    cs_row = cos_sin_ptr + tl.load(pos_ptr + tok * pos_stride).to(tl.int64) * cs_stride
-    cos = tl.load(cs_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    sin = tl.load(cs_row + HALF + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    offs_r = tl.arange(0, BLOCK_R)
+    mask_cs = mask_t[:, None] & (offs_h < HALF)[None, :]
+    pos = tl.load(pos_ptr + tok * pos_stride, mask=mask_t, other=0).to(tl.int64)
+    cs_rows = cos_sin_ptr + pos * cs_stride
+    cos = tl.load(cs_rows[:, None] + offs_h[None, :], mask=mask_cs, other=0.0).to(tl.float32)
+    sin = tl.load(cs_rows[:, None] + HALF + offs_h[None, :], mask=mask_cs, other=0.0)
+    sin = sin.to(tl.float32)
     if block < Q_BLOCKS:
-        q_heads = block * BLOCK_R + offs_r
-        mask_r = q_heads < NUM_Q_HEADS
+        q_heads = block * BLOCK_R + head
+        mask_r = mask_t & (q_heads < NUM_Q_HEADS)
         q_rows = q_ptr + tok * q_stride_t + q_heads.to(tl.int64) * q_stride_h
         o1, o2, rest = _norm_rope_rows(
             q_rows, mask_r, qw_ptr, cos, sin, eps, D, HALF, HAS_Q_NORM, BLOCK_D, BLOCK_H
         )
         _store_rows(q_rows, mask_r, o1, o2, rest, HAS_Q_NORM, D, HALF, BLOCK_D, BLOCK_H)
     else:
-        kv_heads = (block - Q_BLOCKS) * BLOCK_R + offs_r
-        mask_r = kv_heads < NUM_KV_HEADS
+        kv_heads = (block - Q_BLOCKS) * BLOCK_R + head
+        mask_r = mask_t & (kv_heads < NUM_KV_HEADS)
         kv_heads = kv_heads.to(tl.int64)
         k_rows = k_ptr + tok * k_stride_t + kv_heads * k_stride_h
         o1, o2, rest = _norm_rope_rows(
@@ -124,7 +131,7 @@ def _rope_norm_store_kernel(
         o1 = cast_for_store(o1, k_dtype).to(tl.float32)
         o2 = cast_for_store(o2, k_dtype).to(tl.float32)
         rest = cast_for_store(rest, k_dtype).to(tl.float32)
-        slot = tl.load(loc_ptr + tok * loc_stride).to(tl.int64)
+        slot = tl.load(loc_ptr + tok * loc_stride, mask=mask_t, other=0).to(tl.int64)
         kc_rows = k_cache_ptr + slot * kc_stride_s + kv_heads * kc_stride_h
         _store_rows(kc_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -148,8 +155,12 @@ def launch_rope_norm_store(
     norm_weights: tuple[torch.Tensor | None, torch.Tensor | None],
     eps: float,
     rotary_dim: int,
+    tokens_per_program: int = 1,
+    num_warps: int | None = None,
 ) -> None:
-    """Launch the (T, q blocks + kv blocks) grid; arguments are validated by the public wrapper."""
+    """Launch the (token blocks, q blocks + kv blocks) grid; arguments are validated by the
+    public wrapper. `tokens_per_program` (a power of two) and `num_warps` are the launch
+    configuration (scripts/bench_elementwise.py tries others)."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -157,16 +168,21 @@ def launch_rope_norm_store(
     num_kv_heads = k.shape[1]
     block_r = min(HEADS_PER_PROGRAM, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
     q_blocks = triton.cdiv(num_q_heads, block_r)
-    grid = (num_tokens, q_blocks + triton.cdiv(num_kv_heads, block_r))
+    grid = (
+        triton.cdiv(num_tokens, tokens_per_program),
+        q_blocks + triton.cdiv(num_kv_heads, block_r),
+    )
     block_d = triton.next_power_of_2(head_dim)
+    if num_warps is None:
+        num_warps = 4 if tokens_per_program * block_r * block_d >= 2048 else 2
     _rope_norm_store_kernel[grid](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc,
         q if q_w is None else q_w, k if k_w is None else k_w,  # never read when the norm is off
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        cos_sin_cache.stride(0), positions.stride(0), out_loc.stride(0), eps,
+        cos_sin_cache.stride(0), positions.stride(0), out_loc.stride(0), eps, num_tokens,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_BLOCKS=q_blocks,
         D=head_dim, HALF=rotary_dim // 2, HAS_Q_NORM=q_w is not None, HAS_K_NORM=k_w is not None,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_H=triton.next_power_of_2(rotary_dim // 2),
-        num_warps=4 if block_r * block_d >= 2048 else 2,
+        BLOCK_T=tokens_per_program, BLOCK_R=block_r, BLOCK_D=block_d,
+        BLOCK_H=triton.next_power_of_2(rotary_dim // 2), num_warps=num_warps,
     )  # fmt: skip

@@ -1,8 +1,9 @@
 """The fused elementwise kernels alone, against their bandwidth floor, under several launch
-configurations: SiLU-mul -> FP8 (`launch_silu_mul_quant_fp8`) and RMSNorm (+ residual) -> FP8
-(`launch_rms_norm_quant_fp8`), at the bench preset's shapes (Qwen3-1.7B: hidden 2048,
-intermediate 6144) for one request's prefill (1,024 tokens), a full prefill chunk (8,184) and a
-beam step of 8,192 rows.
+configurations: SiLU-mul -> FP8 (`launch_silu_mul_quant_fp8`), RMSNorm (+ residual) -> FP8
+(`launch_rms_norm_quant_fp8`) and q/k RMSNorm + RoPE + KV-cache store
+(`launch_rope_norm_store`, tokens per program x warps), at the bench preset's shapes
+(Qwen3-1.7B: hidden 2048, intermediate 6144, 16 q / 8 KV heads of 128) for one request's
+prefill (1,024 tokens), a full prefill chunk (8,184) and a beam step of 8,192 rows.
 
 The last profile of one unloaded n=50 request put SiLU-mul at 1.08 ms and RMSNorm at 0.74 ms of
 its 11.3 ms of GPU time, several times what their bytes need at the card's copy bandwidth: this
@@ -25,11 +26,13 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from flashrec_kernels.testing import assert_fp8_close
+from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 from flashrec_kernels.triton_rms_norm import launch_rms_norm_quant_fp8
+from flashrec_kernels.triton_rope import launch_rope_norm_store
 from flashrec_kernels.triton_silu_mul import launch_silu_mul_quant_fp8
 
 HIDDEN, INTER = 2048, 6144
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 TOKENS = (1024, 8184, 8192)
 DEV = torch.device("cuda")
 
@@ -91,11 +94,62 @@ def rms_norm(tokens: int) -> list[dict]:
     return rows
 
 
+def _rope_inputs(tokens: int, seed: int = 0) -> tuple:
+    """A fused qkv buffer's views, positions, cos/sin and FP8 caches at the preset's shapes (a
+    fresh copy each call: the kernel rotates q and k in place)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qkv = torch.randn(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen, device=DEV)
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv.split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    views = [t.view(tokens, -1, HEAD_DIM) for t in (q, k, v)]
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEV)
+    inv_freq = 1e6 ** (-torch.arange(0, HEAD_DIM, 2, device=DEV, dtype=torch.float64) / HEAD_DIM)
+    freqs = torch.arange(4096, device=DEV, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    slots = tokens + 64
+    caches = torch.zeros(2, slots, KV_HEADS, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn)
+    out_loc = torch.randperm(slots, generator=gen, device=DEV)[:tokens]
+    weights = tuple(
+        (torch.rand(HEAD_DIM, generator=gen, device=DEV) + 0.5).to(torch.bfloat16) for _ in "qk"
+    )
+    return qkv, views, positions, cos_sin, caches, out_loc, weights
+
+
+def rope(tokens: int) -> list[dict]:
+    """q/k RMSNorm + RoPE in place, K and V into FP8 caches (`launch_rope_norm_store`)."""
+    per_token = (2 * (Q_HEADS + KV_HEADS) * 2 + KV_HEADS * 2 + 2 * KV_HEADS) * HEAD_DIM + 16
+    nbytes = tokens * per_token  # q, k read and written (bf16), v read, k, v cached (fp8), ids
+    floor = _copy_gbps(nbytes)
+
+    def run(inputs: tuple, **config) -> None:
+        _, (q, k, v), positions, cos_sin, caches, out_loc, weights = inputs
+        launch_rope_norm_store(
+            q, k, v, positions, cos_sin, caches[0], caches[1], out_loc, weights, 1e-6, HEAD_DIM,
+            **config,
+        )  # fmt: skip
+
+    want = _rope_inputs(tokens)
+    run(want)
+    rows = []
+    for per_program, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
+        config = {"tokens_per_program": per_program, "num_warps": warps}
+        got = _rope_inputs(tokens)
+        run(got, **config)
+        # the tolerance of tests/kernels/test_rope_norm_store.py: the norm's sum may be reduced
+        # in another order (one bf16 rounding apart, or tiny where the rotation cancels)
+        torch.testing.assert_close(got[0], want[0], rtol=2**-7, atol=2**-18)
+        assert_ulp_close(got[4][0], want[4][0], max_ulp=1, max_frac=0.01)
+        assert torch.equal(got[4][1].view(torch.uint8), want[4][1].view(torch.uint8)), config
+        ms = _ms(lambda c=config, g=got: run(g, **c))
+        rows.append(_row("rope_norm_store", tokens, config, ms, nbytes, floor))
+    return rows
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
     rows = []
     for tokens in TOKENS:
-        rows += silu_mul(tokens) + rms_norm(tokens)
+        rows += silu_mul(tokens) + rms_norm(tokens) + rope(tokens)
     (out / "bench_elementwise.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -114,8 +115,9 @@ def _assert_rope_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def _check_kernel_against_ref(
-    device: torch.device, case: tuple, hq: int, hkv: int, strided_indices: bool = False
-) -> None:
+    device: torch.device, case: tuple, hq: int, hkv: int, strided_indices: bool = False,
+    kernel: Callable[..., None] = rope_norm_store,
+) -> None:  # fmt: skip
     dtype, cache_dtype, d, r, q_norm, k_norm = case
     gen = torch.Generator().manual_seed(3)
     q_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype).to(device) if q_norm else None
@@ -128,7 +130,7 @@ def _check_kernel_against_ref(
         assert positions.stride(0) == 3 and out_loc.stride(0) == 3
     cos_sin = _cos_sin_cache(128, r).to(device)
     results = []
-    for fn in (rope_norm_store, rope_norm_store_ref):
+    for fn in (kernel, rope_norm_store_ref):
         x = _make_qkv(len(positions), hq, hkv, d, dtype, seed=4)
         x = _qkv_views(x.buf.to(device), hq, hkv, d)
         caches = torch.zeros(2, NUM_SLOTS, hkv, d, device=device).to(cache_dtype)
@@ -152,6 +154,23 @@ def test_kernel_head_blocks(device: torch.device, hq: int, hkv: int) -> None:
     """A program rotates up to 16 heads: several blocks, a partial last block, a single head."""
     case = (torch.bfloat16, FP8_DTYPE, 32, 16, True, True)
     _check_kernel_against_ref(device, case, hq=hq, hkv=hkv)
+
+
+@pytest.mark.parametrize(("tokens", "warps"), [(2, None), (4, 8), (8, 4)])
+def test_kernel_token_blocks(device: torch.device, tokens: int, warps: int | None) -> None:
+    """Launch configurations of several tokens per program (scripts/bench_elementwise.py) give
+    the reference's result; 8 tokens per program over 4 tokens masks half of its rows, and
+    20 q heads (two head blocks, the last partial) mask heads within each token."""
+    from flashrec_kernels.triton_rope import launch_rope_norm_store
+
+    def launch(q, k, v, positions, cos_sin, k_cache, v_cache, out_loc, q_w, k_w, eps, r):
+        launch_rope_norm_store(
+            q, k, v, positions, cos_sin, k_cache, v_cache, out_loc, (q_w, k_w), eps, r,
+            tokens_per_program=tokens, num_warps=warps,
+        )  # fmt: skip
+
+    case = (torch.bfloat16, FP8_DTYPE, 64, 32, True, True)
+    _check_kernel_against_ref(device, case, hq=20, hkv=4, strided_indices=True, kernel=launch)
 
 
 def test_kernel_strided_positions_and_slots(device: torch.device) -> None:

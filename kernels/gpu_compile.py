@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,11 @@ class CompiledLaunch:
     kernel: str
     ptx: str
     cubin_bytes: int
+    registers: int
+    """Registers per thread (ptxas -v): with the launch's warps, how many programs fit an SM."""
+    spill_bytes: int
+    """Bytes of register spill stores plus loads per thread: local-memory traffic in a kernel
+    meant to run at memory bandwidth (0 for every default launch; tests/kernels checks it)."""
 
 
 @dataclass
@@ -59,9 +66,35 @@ class _Recorder:
                 signature[p.name] = _type_of(value)
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        registers, spills = _ptxas_resources(ptx, self.arch)
         self.launches.append(
-            CompiledLaunch(fn.__name__, compiled.asm["ptx"], len(compiled.asm["cubin"]))
+            CompiledLaunch(fn.__name__, ptx, len(compiled.asm["cubin"]), registers, spills)
         )
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) of the PTX's one kernel, from Triton's bundled ptxas -v (the
+    compiled kernel's own counts come from the driver, which needs a GPU)."""
+    from triton.backends.nvidia import compiler
+
+    if hasattr(compiler, "get_ptxas"):  # Triton >= 3.4
+        ptxas = compiler.get_ptxas(arch).path
+    else:
+        ptxas = compiler._path_to_binary("ptxas")[0]
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = target.group(1) if target else "sm_90a"
+        cmd = [ptxas, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "kernel.cubin")]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v report: {report[-500:]}")
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
 def _type_of(value: Any) -> str:

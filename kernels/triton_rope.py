@@ -99,19 +99,33 @@ def _rope_norm_store_kernel(
     the matching v heads into the caches. Its BLOCK_T x BLOCK_R head rows are one flat block."""
     block = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_T * BLOCK_R)
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + offs_r // BLOCK_R
-    head = offs_r % BLOCK_R
-    mask_t = tok < num_tokens
     offs_h = tl.arange(0, BLOCK_H)
-    mask_cs = mask_t[:, None] & (offs_h < HALF)[None, :]
-    pos = tl.load(pos_ptr + tok * pos_stride, mask=mask_t, other=0).to(tl.int64)
-    cs_rows = cos_sin_ptr + pos * cs_stride
-    cos = tl.load(cs_rows[:, None] + offs_h[None, :], mask=mask_cs, other=0.0).to(tl.float32)
-    sin = tl.load(cs_rows[:, None] + HALF + offs_h[None, :], mask=mask_cs, other=0.0)
-    sin = sin.to(tl.float32)
+    if BLOCK_T == 1:
+        # One token: its index, slot and cos / sin row are scalars ([1, BLOCK_H]) and no row is
+        # masked by token, as before BLOCK_T existed (64 registers at 4 warps for sm_90, by
+        # ptxas -v; per-row values took 80).
+        tok = tl.program_id(0).to(tl.int64)
+        head = offs_r
+        cs_row = cos_sin_ptr + tl.load(pos_ptr + tok * pos_stride).to(tl.int64) * cs_stride
+        cos = tl.load(cs_row + offs_h, mask=offs_h < HALF, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(cs_row + HALF + offs_h, mask=offs_h < HALF, other=0.0)
+        sin = sin.to(tl.float32)[None, :]
+    else:  # each row's own token, and its cos / sin ([R, BLOCK_H])
+        tok = tl.program_id(0).to(tl.int64) * BLOCK_T + offs_r // BLOCK_R
+        head = offs_r % BLOCK_R
+        mask_t = tok < num_tokens
+        mask_cs = mask_t[:, None] & (offs_h < HALF)[None, :]
+        pos = tl.load(pos_ptr + tok * pos_stride, mask=mask_t, other=0).to(tl.int64)
+        cs_rows = cos_sin_ptr + pos * cs_stride
+        cos = tl.load(cs_rows[:, None] + offs_h[None, :], mask=mask_cs, other=0.0)
+        cos = cos.to(tl.float32)
+        sin = tl.load(cs_rows[:, None] + HALF + offs_h[None, :], mask=mask_cs, other=0.0)
+        sin = sin.to(tl.float32)
     if block < Q_BLOCKS:
         q_heads = block * BLOCK_R + head
-        mask_r = mask_t & (q_heads < NUM_Q_HEADS)
+        mask_r = q_heads < NUM_Q_HEADS
+        if BLOCK_T > 1:
+            mask_r = mask_r & mask_t
         q_rows = q_ptr + tok * q_stride_t + q_heads.to(tl.int64) * q_stride_h
         o1, o2, rest = _norm_rope_rows(
             q_rows, mask_r, qw_ptr, cos, sin, eps, D, HALF, HAS_Q_NORM, BLOCK_D, BLOCK_H
@@ -119,7 +133,9 @@ def _rope_norm_store_kernel(
         _store_rows(q_rows, mask_r, o1, o2, rest, HAS_Q_NORM, D, HALF, BLOCK_D, BLOCK_H)
     else:
         kv_heads = (block - Q_BLOCKS) * BLOCK_R + head
-        mask_r = mask_t & (kv_heads < NUM_KV_HEADS)
+        mask_r = kv_heads < NUM_KV_HEADS
+        if BLOCK_T > 1:
+            mask_r = mask_r & mask_t
         kv_heads = kv_heads.to(tl.int64)
         k_rows = k_ptr + tok * k_stride_t + kv_heads * k_stride_h
         o1, o2, rest = _norm_rope_rows(
@@ -131,7 +147,10 @@ def _rope_norm_store_kernel(
         o1 = cast_for_store(o1, k_dtype).to(tl.float32)
         o2 = cast_for_store(o2, k_dtype).to(tl.float32)
         rest = cast_for_store(rest, k_dtype).to(tl.float32)
-        slot = tl.load(loc_ptr + tok * loc_stride, mask=mask_t, other=0).to(tl.int64)
+        if BLOCK_T == 1:
+            slot = tl.load(loc_ptr + tok * loc_stride).to(tl.int64)
+        else:
+            slot = tl.load(loc_ptr + tok * loc_stride, mask=mask_t, other=0).to(tl.int64)
         kc_rows = k_cache_ptr + slot * kc_stride_s + kv_heads * kc_stride_h
         _store_rows(kc_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)

@@ -131,7 +131,7 @@ def rope(tokens: int) -> list[dict]:
     want = _rope_inputs(tokens)
     run(want)
     rows = []
-    for per_program, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
+    for per_program, warps in itertools.product((1, 2, 4, 8), (4, 8, 16)):
         config = {"tokens_per_program": per_program, "num_warps": warps}
         got = _rope_inputs(tokens)
         run(got, **config)

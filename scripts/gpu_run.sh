@@ -162,8 +162,10 @@ for what in "${@:-tests}"; do
     elementwise)  # SiLU-mul and RMSNorm -> FP8 alone, launch configurations against the copy floor
       timeout "$(left)" python3 scripts/bench_elementwise.py "$out" 2>&1 | tail -60 ;;
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
-      timeout "$(left)" python3 scripts/bench_attention.py "$out"
-      timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv bf16 ;;
+      # ATTENTION_KV: the KV dtypes to run (default both; each compiles its FlashInfer kernels)
+      for kv in ${ATTENTION_KV:-fp8 bf16}; do
+        timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv"
+      done ;;
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then

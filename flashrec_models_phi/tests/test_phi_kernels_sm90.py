@@ -1,5 +1,6 @@
 """Phi's own Triton kernels compile for an H100/H200 (sm_90) on a machine without a GPU
-(`flashrec_kernels.gpu_compile`): the interpreter-run CPU tests never compile them."""
+(`flashrec_kernels.gpu_compile`): the interpreter-run CPU tests never compile them; and they
+spill no registers (local-memory traffic in kernels meant to run at bandwidth)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ with compiled_launches(90) as done:
     triton_layer_norm.launch_layer_norm_quant_fp8(x, w, w.clone(), 1e-5, x.clone())
     triton_layer_norm.launch_layer_norm_quant_fp8(x, w, None, 1e-5, None)
 assert all(c.cubin_bytes > 0 for c in done)
+spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done if c.spill_bytes]
+assert not spilled, f"register spills (kernel, registers, bytes): {spilled}"
 print("compiled", sorted({c.kernel for c in done}))
 """
 

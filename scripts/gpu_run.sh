@@ -106,9 +106,11 @@ serve_bench() {
   # of the closed loop's throughput)
   for spec in ${SERVER_SPECS:-50:1200:400 512:256:64}; do
     IFS=: read -r n reqs conc <<< "$spec"
+    local log="$out/bench_server_n${n}_c$conc$tag.log"
     timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n "$n" \
       --requests "$reqs" --concurrency "$conc" --rates "${SERVER_RATES:-0.5,0.7,0.9,1.1}" \
-      --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>&1 >/dev/null | grep "^n="
+      --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>"$log" >/dev/null
+    grep "^n=" "$log" || { echo "no phase finished; the bench's last lines:"; tail -5 "$log"; }
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
   stop_server $srv; tail -3 "$out/serve$tag.log"
@@ -222,7 +224,7 @@ for what in "${@:-tests}"; do
         spec=${SPLITKV_N:-50:400}
         # shellcheck disable=SC2086
         timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
-          --out "$out/splitkv_n${spec%:*}$tag.json" 2>&1 | grep -E "requests_per_s|percent|latency|replays|split"
+          --out "$out/splitkv_n${spec%:*}$tag.json" 2>&1 | tail -22
       done
       gzip -f "$out"/trace_request_*.json ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load

@@ -178,7 +178,6 @@ def beam_cascade_attention(
     out: torch.Tensor | None = None,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
-    own_slots: str = "elementwise",
 ) -> torch.Tensor:
     """Triton version of `beam_cascade_attention_ref`; no host syncs, so it captures in a graph.
 
@@ -188,8 +187,7 @@ def beam_cascade_attention(
     contiguous) lets a graph keep its output buffer; otherwise a new one is allocated.
     `num_splits` cuts each prompt into that many ranges run in parallel and merged (split-KV;
     a power of two up to 16); by default it follows from the grid size and the GPU's SMs, so
-    that a step of one or a few requests still fills the GPU. `own_slots` ("elementwise" or
-    "dot") picks how each row's own slots are folded in (triton_beam_attention's docstring).
+    that a step of one or a few requests still fills the GPU.
     """
     check_beam_attention_args(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, max_rows_per_request
@@ -205,6 +203,5 @@ def beam_cascade_attention(
     launch_beam_cascade_attention(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, sm_scale,
         max_rows_per_request, out, logit_softcap=logit_softcap, num_splits=num_splits,
-        own_slots=own_slots,
     )  # fmt: skip
     return out

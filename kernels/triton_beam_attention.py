@@ -4,12 +4,8 @@ The GQA group is packed into the M dimension: packed row m of a tile is beam row
 head kv_head * GROUP + m % GROUP, so every K/V tile gathered from the request's prompt feeds all
 q heads that share it, through one tl.dot. The program runs an online softmax (fp32 running max,
 sum and accumulator; exp2 with log2(e) folded into the scale) over the prompt slots in BLOCK_N
-chunks, then over each row's S own slots, then normalizes and stores bf16. The own slots are
-per-row K/V vectors: folded elementwise in fp32 (products and row sums; the default), or with
-`own_slots="dot"` as the prompt's chunks are, through the two tensor-core dots with a diagonal
-mask (a packed row sees only its own beam row's key): the elementwise form holds q, K and V
-tiles of [BLOCK_M, D] in fp32 at once and spills registers for sm_90 (7.7 KB a thread at the
-default tile, ptxas -v; 0.9 KB with "dot").
+chunks, then over each row's S own slots (per-row K/V vectors: elementwise products and row
+sums), then normalizes and stores bf16.
 
 Split-KV. A step of few requests launches few programs (one 50-beam request: 8, one per kv head,
 on a 132-SM H200: 51 us a layer, each program walking the whole prompt). `num_splits` > 1 cuts
@@ -37,7 +33,7 @@ from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS", "OWN_SLOTS",
+    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
     "auto_num_splits", "launch_beam_cascade_attention",
 ]  # fmt: skip
 
@@ -53,7 +49,6 @@ _LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
 """Most prompt ranges per (request, kv head, tile): 16 x 64-slot chunks cover a 1,024-token
 prompt with one chunk per program; more would only add partials to merge."""
-OWN_SLOTS = ("elementwise", "dot")
 MERGE_BLOCK_M = 8
 """Packed rows per merge program. The merge is a pure read of the partials, so it wants many
 small programs: with the attention's 128-row tiles, one 50-beam request's merge ran 8
@@ -84,66 +79,27 @@ def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fold_keys(
-    q, k_cache_ptr, v_cache_ptr, slots, key_mask, visible, kc_head, vc_head, kc_stride_s,
-    vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
-    D: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """Fold the K/V of `slots` ([BLOCK_N]; `key_mask` says which exist) into the running (max,
-    sum, accumulator) of the packed rows that see them (`visible`, [BLOCK_M or 1, BLOCK_N]):
-    both products on tensor cores, P as bf16 (the module docstring)."""
-    offs_d = tl.arange(0, D)
-    k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
-    k = _dot_operand(tl.load(k_ptrs, mask=key_mask[:, None], other=0.0), INTERPRET)  # [BLOCK_N, D]
-    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    v_ptrs = v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
-    v = _dot_operand(tl.load(v_ptrs, mask=key_mask[:, None], other=0.0), INTERPRET)
-    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, INTERPRET), v)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
-
-
-@triton.jit
 def _prefix_chunk(
     q, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head, kc_stride_s,
     vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Fold prompt slots [n0, n0 + BLOCK_N) (seen by every packed row) into the running state."""
+    """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < num_prefix
+    offs_d = tl.arange(0, D)
     slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-    return _fold_keys(
-        q, k_cache_ptr, v_cache_ptr, slots, mask_n, mask_n[None, :], kc_head, vc_head,
-        kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, INTERPRET, SOFTCAP,
-    )  # fmt: skip
-
-
-@triton.jit
-def _own_slots_chunk(
-    q, k_cache_ptr, v_cache_ptr, slot_col_ptr, sfx_stride_r, own_key, key_row0, row_end,
-    kc_head, vc_head, kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """Fold one own slot (a column of the suffix table) of beam rows [key_row0, key_row0 +
-    BLOCK_N) into the running state: every packed row sees only its own beam row's key. The
-    same two dots as a prompt chunk, with the diagonal as the mask; a per-row elementwise
-    product instead held the [BLOCK_M, D] q, K and V tiles in fp32 at once and spilled
-    registers (7.7 KB a thread for sm_90 at the default tile, ptxas -v)."""
-    offs_k = tl.arange(0, BLOCK_N)
-    key_rows = key_row0 + offs_k.to(tl.int64)  # [BLOCK_N] beam rows
-    key_mask = key_rows < row_end
-    slots = tl.load(slot_col_ptr + key_rows * sfx_stride_r, mask=key_mask, other=0).to(tl.int64)
-    # own_key: each packed row's beam row less key_row0 (int32: a [BLOCK_M, BLOCK_N] int64
-    # comparison alone took 64 registers a thread)
-    visible = (own_key[:, None] == offs_k[None, :]) & key_mask[None, :]
-    return _fold_keys(
-        q, k_cache_ptr, v_cache_ptr, slots, key_mask, visible, kc_head, vc_head, kc_stride_s,
-        vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, INTERPRET, SOFTCAP,
-    )  # fmt: skip
+    k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
+    k = _dot_operand(tl.load(k_ptrs, mask=mask_n[:, None], other=0.0), INTERPRET)  # [BLOCK_N, D]
+    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v_ptrs = v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
+    v = _dot_operand(tl.load(v_ptrs, mask=mask_n[:, None], other=0.0), INTERPRET)
+    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, INTERPRET), v)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
 @triton.jit
@@ -151,8 +107,7 @@ def _suffix_slot(
     q, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head, kc_stride_s, vc_stride_s,
     m_i, l_i, acc, qk_scale, cap_log2, D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Fold one own slot per packed row (each row its own K/V vector) into the running state,
-    elementwise in fp32 (`own_slots="elementwise"`, the kernel's first form)."""
+    """Fold one own slot per packed row (each row its own K/V vector) into the running state."""
     offs_d = tl.arange(0, D)
     slots = tl.load(slot_ptrs, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
     k = tl.load(k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
@@ -172,8 +127,8 @@ def _beam_cascade_attention_kernel(
     q_stride_r, q_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h,
     sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, part_stride_split, qk_scale, cap_log2,
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, KEYS: tl.constexpr,
-    OWN_DOT: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -222,27 +177,13 @@ def _beam_cascade_attention_kernel(
                 SOFTCAP,
             )  # fmt: skip
 
-    if split == 0 and not OWN_DOT:  # the rows' own slots, once, elementwise
+    if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
         q_f32 = q.to(tl.float32)
         for j in tl.static_range(S):
             slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
             m_i, l_i, acc = _suffix_slot(
                 q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, SOFTCAP,
-            )  # fmt: skip
-    if split == 0 and OWN_DOT:  # the same on tensor cores, diagonal-masked (_own_slots_chunk)
-        # the tile's packed rows belong to KEYS consecutive beam rows from key_row0 (one more
-        # when GROUP does not divide BLOCK_M), taken BLOCK_N at a time
-        key_row0 = row_start + (tile * BLOCK_M) // GROUP
-        row_end = row_start + num_packed // GROUP
-        chunks: tl.constexpr = (KEYS + BLOCK_N - 1) // BLOCK_N
-        own_key = offs_m // GROUP - (tile * BLOCK_M) // GROUP  # [BLOCK_M] int32
-        for it in range(0, S * chunks):  # a loop, not unrolled: one body's registers
-            j, c = it // chunks, (it % chunks) * BLOCK_N
-            m_i, l_i, acc = _own_slots_chunk(
-                q_dot, k_cache_ptr, v_cache_ptr, suffix_ptr + j * sfx_stride_s, sfx_stride_r,
-                own_key - c, key_row0 + c, row_end, kc_head, vc_head, kc_stride_s, vc_stride_s,
-                m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET, SOFTCAP,
             )  # fmt: skip
 
     if SPLITS == 1:
@@ -311,11 +252,6 @@ def auto_num_splits(programs: int, device: torch.device) -> int:
     return 1 if spare < 2 else min(MAX_SPLITS, 1 << (spare.bit_length() - 1))
 
 
-def _own_keys(block_m: int, group: int) -> int:
-    """Most distinct beam rows among a tile's `block_m` packed rows (row = packed // group)."""
-    return block_m // group if block_m % group == 0 else (block_m - 1) // group + 2
-
-
 def launch_beam_cascade_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -331,19 +267,14 @@ def launch_beam_cascade_attention(
     block_n: int = BLOCK_N,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
-    own_slots: str = "elementwise",
 ) -> None:
     """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper.
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
     chunks at interpreter-friendly sizes); num_splits overrides `auto_num_splits` (a power of
-    two, at most MAX_SPLITS). own_slots picks how the rows' own slots are folded in:
-    "elementwise" (the default until measured on the device) or "dot" (diagonal-masked tensor-core
-    chunks, `_own_slots_chunk`: far fewer register spills for sm_90 by ptxas -v).
+    two, at most MAX_SPLITS).
     """
-    if own_slots not in OWN_SLOTS:
-        raise ValueError(f"own_slots must be one of {OWN_SLOTS}, got {own_slots!r}")
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -376,9 +307,7 @@ def launch_beam_cascade_attention(
         v_cache.stride(0), v_cache.stride(1), suffix.stride(0), suffix.stride(1),
         out.stride(0), out.stride(1), num_rows * num_q_heads, qk_scale, cap_log2,
         GROUP=group, S=suffix.shape[1], D=head_dim, HQ=num_q_heads,
-        BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, KEYS=_own_keys(block_m, group),
-        OWN_DOT=own_slots == "dot",
-        INTERPRET=triton_interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip

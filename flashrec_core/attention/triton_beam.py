@@ -74,9 +74,6 @@ class TritonBeamAttention:
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.limits = (max_rows, max_prompt_slots, max_suffix)
         self._graph_buffers: tuple[dict[str, torch.Tensor], ...] | None = None
-        self.own_slots = "elementwise"
-        """How the kernel folds each beam's own slots in ("elementwise" or "dot"; the kernel's
-        docstring); scripts/bench_attention.py times both."""
 
     def plan(self, step: StepInput, graph: Any = None) -> Any:
         """Beam steps plan for the kernel (`graph`: a `BeamKernelGraph`); every other step,
@@ -163,6 +160,5 @@ class TritonBeamAttention:
             q.to(torch.bfloat16), pool.k_cache[layer_id], pool.v_cache[layer_id],
             meta.prefix_indptr, meta.prefix_indices, meta.row_indptr, meta.suffix, scale,
             meta.max_rows_per_request, logit_softcap=self.groups.spec(layer_id).logit_softcap,
-            own_slots=self.own_slots,
         )  # fmt: skip
         return out.to(q.dtype)

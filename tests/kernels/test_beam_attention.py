@@ -177,36 +177,6 @@ def test_split_prompts_merge_to_the_ref(splits: int, device: torch.device) -> No
     _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
 
 
-# (rows per request, prefix lens, Hq, Hkv, D, S, block_m, block_n, splits): the default tile;
-# small tiles with several tiles per request, idle ones and a group (3) that does not divide
-# block_m (a tile's packed rows then span one more beam row); MHA (group 1); split prompts.
-OWN_DOT_CASES = [
-    ([3, 1, 5], [70, 1, 37], 2, 2, 64, 1, None, 64, 1),
-    ([1, 4, 2], [1, 130, 64], 4, 2, 128, 2, None, 64, 1),
-    ([9, 2, 5], [50, 3, 16], 6, 2, 64, 2, 4, 16, 1),
-    ([7, 1], [20, 33], 6, 2, 64, 3, 8, 16, 2),
-    ([5, 1, 3], [1, 40, 150], 4, 2, 64, 2, 4, 16, 4),
-]
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-@pytest.mark.parametrize("case", OWN_DOT_CASES, ids=lambda c: f"hq{c[2]}-s{c[5]}-m{c[6]}-sp{c[8]}")
-def test_own_slots_on_tensor_cores_match_the_ref(
-    case: tuple, cache_dtype: torch.dtype, device: torch.device
-) -> None:
-    """own_slots="dot" folds each row's own slots through diagonal-masked dots: the same result
-    within the same bound (P as bf16 is what the prompt's chunks do already)."""
-    from flashrec_kernels.triton_beam_attention import launch_beam_cascade_attention
-
-    rows, prefix_lens, hq, hkv, d, s, block_m, block_n, splits = case
-    step = _make_step(rows, prefix_lens, hq, hkv, d, s, cache_dtype, device, seed=11 + s)
-    out = torch.full(step.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
-    launch_beam_cascade_attention(
-        *step.args(), out, block_m=block_m, block_n=block_n, num_splits=splits, own_slots="dot"
-    )
-    _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
-
-
 def test_split_count_follows_the_grid(
     monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:

@@ -54,20 +54,14 @@ with compiled_launches(90) as done:
         q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
         torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
         logit_softcap=50.0)
-    att.launch_beam_cascade_attention(
-        q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
-        torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
-        own_slots="dot")
 names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
-# Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except
-# the beam kernel's default elementwise own-slot fold, which own_slots="dot" cuts (the docstring
-# of triton_beam_attention; the default follows the device's measurement)
-beam = [c for c in done if c.kernel == "_beam_cascade_attention_kernel"]
-spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done if c.spill_bytes and c not in beam]
+# Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
+# the beam kernel, whose own-slot fold spills (~8 KB a thread) and is still faster than a
+# spill-free fold on tensor cores that was timed against it (docs/benchmarks.md, session 19)
+spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done
+           if c.spill_bytes and c.kernel != "_beam_cascade_attention_kernel"]
 assert not spilled, f"default launches spill registers (kernel, registers, bytes): {spilled}"
-elementwise, dot = beam[0].spill_bytes, beam[-1].spill_bytes
-assert dot * 4 < elementwise, f"own_slots='dot' spills {dot} bytes, elementwise {elementwise}"
 assert any("wgmma" in c.ptx for c in done if c.kernel == "_beam_cascade_attention_kernel")
 print("compiled", len(done), names)
 """

@@ -3,9 +3,11 @@ one program per token row, in two passes over chunks; ACT picks the activation o
 
 Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 finds the row's
 absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
-this is about 1.6x faster than a whole-row block at I = 12288. A launch asked for `one_pass`
-whose chunk covers the row keeps the row in registers instead (not the default until measured
-on the device; scripts/bench_elementwise.py times both).
+this is about 1.6x faster than a whole-row block at I = 12288. The launch configuration (chunks
+of 2048, 8 warps) is the fastest that scripts/bench_elementwise.py found on an H100 at the
+Qwen3-1.7B shape: 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162 us with chunks of 1024
+and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the row in registers was
+slower at 8,184 rows.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .triton_quant import empty_fp8_rows
 
 __all__ = ["ACT_GELU_TANH", "ACT_SILU", "launch_silu_mul_quant_fp8"]
 
-_CHUNK = 1024
+_CHUNK = 2048
+_NUM_WARPS = 8
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
@@ -45,18 +48,10 @@ def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr):
 @triton.jit
 def _silu_mul_quant_fp8_kernel(
     gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
-    ACT: tl.constexpr, ONE_PASS: tl.constexpr,
+    ACT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
-    if ONE_PASS:  # the whole row in one block (INTER <= CHUNK): y stays in registers
-        offs = tl.arange(0, CHUNK)
-        mask = offs < INTER
-        y = _silu_mul(row_ptr, offs, mask, INTER, ACT)
-        scale = fp8_scale(tl.max(tl.abs(y), axis=0))  # masked lanes hold 0, as below
-        tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
-        tl.store(scale_ptr + row, scale)
-        return
     absmax = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -75,12 +70,10 @@ def launch_silu_mul_quant_fp8(
     gate_up: torch.Tensor,
     act: int = ACT_SILU,
     chunk: int = _CHUNK,
-    num_warps: int = 4,
-    one_pass: bool = False,
+    num_warps: int = _NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; arguments are validated by the public wrapper. `chunk`,
-    `num_warps` and `one_pass` (one pass when the chunk covers the row) are the launch
-    configuration (scripts/bench_elementwise.py tries others)."""
+    """Launch one program per row; arguments are validated by the public wrapper. `chunk` and
+    `num_warps` are the launch configuration (scripts/bench_elementwise.py tries others)."""
     t, two_i = gate_up.shape
     inter = two_i // 2
     q, scale = empty_fp8_rows(t, inter, gate_up.device)
@@ -89,6 +82,6 @@ def launch_silu_mul_quant_fp8(
     chunk = min(chunk, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
         gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act,
-        ONE_PASS=one_pass and inter <= chunk, num_warps=num_warps,
+        num_warps=num_warps,
     )  # fmt: skip
     return q, scale

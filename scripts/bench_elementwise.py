@@ -8,12 +8,11 @@ prefill (1,024 tokens), a full prefill chunk (8,184) and a beam step of 8,192 ro
 The last profile of one unloaded n=50 request put SiLU-mul at 1.08 ms and RMSNorm at 0.74 ms of
 its 11.3 ms of GPU time, several times what their bytes need at the card's copy bandwidth: this
 script says how far each configuration is from that floor, so the default can follow the
-fastest. SiLU-mul's chunk of 8,192 covers the 6,144-wide row and runs the kernel's one-pass
-branch (the row kept in registers); smaller chunks run two passes. Every variant's output is
-checked against the default's before it is timed: SiLU-mul's codes must be equal (a
-configuration changes only how a row is split among threads; absmax is order-free), RMSNorm's
-within the tolerance of tests/kernels/test_rms_norm_fp8.py (its sum of squares is reduced in
-another order). Times are CUDA events (`triton.testing.do_bench`). Usage (on the GPU):
+fastest (session 19's run on an H100 set SiLU-mul's and RoPE's: docs/benchmarks.md). Every
+variant's output is checked against the default's before it is timed: SiLU-mul's codes must be
+equal (a configuration changes only how a row is split among threads; absmax is order-free),
+RMSNorm's and RoPE's within the tolerance of their tests (a sum of squares reduced in another
+order). Times are CUDA events (`triton.testing.do_bench`). Usage (on the GPU):
     python scripts/bench_elementwise.py [OUT_DIR]
 """
 
@@ -63,8 +62,8 @@ def silu_mul(tokens: int) -> list[dict]:
     floor = _copy_gbps(nbytes)
     want = launch_silu_mul_quant_fp8(gate_up)
     rows = []
-    for chunk, warps in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16)):
-        config = {"chunk": chunk, "num_warps": warps, "one_pass": chunk >= INTER}
+    for chunk, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
+        config = {"chunk": chunk, "num_warps": warps}
         got = launch_silu_mul_quant_fp8(gate_up, **config)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), config
         assert torch.equal(got[1], want[1]), config

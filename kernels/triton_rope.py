@@ -162,6 +162,23 @@ def _rope_norm_store_kernel(
         tl.store(vc_rows[:, None] + offs_d[None, :], v_out, mask=mask_v)
 
 
+SMALL_LAUNCH_TOKENS = 4096
+"""Below this many tokens a program takes two tokens at 16 warps, from this many one token at
+8 warps (for [16, 128] head blocks): the fastest configurations that scripts/bench_elementwise.py
+found on an H100 at the Qwen3-1.7B shape, 18.4 us for 1,024 tokens (34.1 us at one token and 4
+warps, the old default) and 70.5 us for 8,184 (79.1 us); each is within 7% of the best at the
+other size (docs/benchmarks.md, session 19)."""
+
+
+def default_launch(num_tokens: int, block_elems: int) -> tuple[int, int]:
+    """(tokens per program, warps) for `num_tokens` tokens and head blocks of `block_elems`
+    elements. Blocks of fewer than 2048 elements (few or small heads) keep the old one token at
+    2 warps, which no device run has timed against others."""
+    if block_elems < 2048:
+        return 1, 2
+    return (2, 16) if num_tokens < SMALL_LAUNCH_TOKENS else (1, 8)
+
+
 def launch_rope_norm_store(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,12 +191,12 @@ def launch_rope_norm_store(
     norm_weights: tuple[torch.Tensor | None, torch.Tensor | None],
     eps: float,
     rotary_dim: int,
-    tokens_per_program: int = 1,
+    tokens_per_program: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Launch the (token blocks, q blocks + kv blocks) grid; arguments are validated by the
     public wrapper. `tokens_per_program` (a power of two) and `num_warps` are the launch
-    configuration (scripts/bench_elementwise.py tries others)."""
+    configuration: by default `default_launch` (scripts/bench_elementwise.py tries others)."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -187,13 +204,14 @@ def launch_rope_norm_store(
     num_kv_heads = k.shape[1]
     block_r = min(HEADS_PER_PROGRAM, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
     q_blocks = triton.cdiv(num_q_heads, block_r)
+    block_d = triton.next_power_of_2(head_dim)
+    default_tokens, default_warps = default_launch(num_tokens, block_r * block_d)
+    tokens_per_program = tokens_per_program or default_tokens
+    num_warps = num_warps or default_warps
     grid = (
         triton.cdiv(num_tokens, tokens_per_program),
         q_blocks + triton.cdiv(num_kv_heads, block_r),
     )
-    block_d = triton.next_power_of_2(head_dim)
-    if num_warps is None:
-        num_warps = 4 if tokens_per_program * block_r * block_d >= 2048 else 2
     _rope_norm_store_kernel[grid](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc,
         q if q_w is None else q_w, k if k_w is None else k_w,  # never read when the norm is off

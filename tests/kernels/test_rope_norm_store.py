@@ -173,6 +173,16 @@ def test_kernel_token_blocks(device: torch.device, tokens: int, warps: int | Non
     _check_kernel_against_ref(device, case, hq=20, hkv=4, strided_indices=True, kernel=launch)
 
 
+def test_default_launch_at_the_bench_shape(device: torch.device) -> None:
+    """16 q / 8 KV heads of 128 (Qwen3-1.7B): the default launch below SMALL_LAUNCH_TOKENS takes
+    two tokens a program; 4 tokens (two full blocks) and the strided indices of a beam step."""
+    from flashrec_kernels.triton_rope import default_launch
+
+    assert default_launch(4, 16 * 128) == (2, 16)
+    case = (torch.bfloat16, FP8_DTYPE, 128, 128, True, True)
+    _check_kernel_against_ref(device, case, hq=16, hkv=8, strided_indices=True)
+
+
 def test_kernel_strided_positions_and_slots(device: torch.device) -> None:
     """Eager beam steps pass a level's column of the [R, depth] slot table as out_loc: the
     kernel must follow its stride (reading it as contiguous stored K/V into other beams' slots;

@@ -57,10 +57,9 @@ class EngineConfig(BaseModel):
     replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
     prefill_split_kv: bool = True
     """Let FlashInfer split a prefill graph's attention over the KV (a partial result per split,
-    then a merge kernel). A graph's launch grid is fixed by its first plan at its largest size,
-    so the merge runs over every pad row too; False plans each query tile over its whole KV
-    instead (no merge; session 14 found that slower when graphs were sized like the largest,
-    docs/benchmarks.md). Only the FlashInfer backend's prefill graphs read it."""
+    then a merge kernel). False plans each query tile over its whole KV instead: faster for a
+    fresh prompt, several times slower for a few new tokens over a cached one (an H100:
+    docs/benchmarks.md, session 19). Only the FlashInfer backend's prefill graphs read it."""
     max_requests: int = Field(default=1024, gt=0)
     schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new

@@ -125,8 +125,10 @@ for what in "${@:-tests}"; do
     prefillgraphs)  # the prefill graph tests alone (replay == eager, chunked prefills); GRAPH_K
       # replaces the -k expression (e.g. "split": every graph test on the no-split-KV engine)
       pytest_gpu "$out/graph_tests.log" tests/gpu/test_cuda_graphs.py -k "${GRAPH_K:-prefill}" ;;
-    kernels)  # every kernel test natively (tests/kernels: the launch configurations included)
-      pytest_gpu "$out/kernel_tests.log" tests/kernels ;;
+    kernels)  # every kernel test natively (tests/kernels: the launch configurations included);
+      # KERNEL_TESTS narrows it to some files
+      # shellcheck disable=SC2086  # a list of paths
+      pytest_gpu "$out/kernel_tests.log" ${KERNEL_TESTS:-tests/kernels} ;;
     beamkernel)  # the Triton beam kernel natively against its reference (split-KV included)
       pytest_gpu "$out/beam_kernel_tests.log" tests/kernels/test_beam_attention.py ;;
     tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests

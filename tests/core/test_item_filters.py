@@ -239,10 +239,17 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
 
 
+@pytest.mark.parametrize("group", [16, 4])
 @pytest.mark.parametrize("kind", ["dense", "csr"])
-def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(setup, kind: str) -> None:
+def test_level_masks_open_exactly_the_prefixes_with_an_allowed_sid(
+    setup, kind: str, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each inner level's mask, built from running counts over contiguous runs, equals the
-    brute-force rule: a prefix is open when some allowed SID starts with it."""
+    brute-force rule: a prefix is open when some allowed SID starts with it; also when the
+    masks are built in groups of 4 requests (the 6 here: a full group and a partial one)."""
+    from flashrec_core.search import filters as filters_module
+
+    monkeypatch.setattr(filters_module, "MASK_GROUP_REQUESTS", group)
     engine = setup[0]["level", kind]
     catalog, trie = engine.catalog, engine.catalogs.get().host_trie
     rng = random.Random(5)

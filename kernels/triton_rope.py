@@ -164,11 +164,11 @@ def _rope_norm_store_kernel(
 
 SMALL_LAUNCH_TOKENS = 4096
 """Below this many tokens a program takes two tokens at 16 warps, from this many one token at
-8 warps (for [16, 128] head blocks): the fastest configurations that scripts/bench_elementwise.py
-found on an H100 at the Qwen3-1.7B shape, 18.4 us for 1,024 tokens (34.1 us at one token and 4
-warps, the old default) and 70.5 us for 8,184 (79.1 us). Two tokens at 16 warps is within 7%
-of the best even at 8,184 tokens, so where between the two the threshold falls matters little
-(docs/benchmarks.md, session 19)."""
+8 warps (for [16, 128] head blocks): the fastest configurations that
+scripts/bench_elementwise.py found on an H100 at the bench preset's shape (16 q / 8 KV heads of
+128), 18.4 us for 1,024 tokens (34.1 us at one token and 4 warps, the old default) and 70.5 us
+for 8,184 (79.1 us). Two tokens at 16 warps is within 7% of the best even at 8,184 tokens, so
+where between the two the threshold falls matters little (docs/benchmarks.md, session 19)."""
 
 
 def default_launch(num_tokens: int, block_elems: int) -> tuple[int, int]:

@@ -5,9 +5,9 @@ Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 f
 absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
 this is about 1.6x faster than a whole-row block at I = 12288. The launch configuration (chunks
 of 2048, 8 warps) is the fastest that scripts/bench_elementwise.py found on an H100 at the
-Qwen3-1.7B shape: 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162 us with chunks of 1024
-and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the row in registers was
-slower at 8,184 rows.
+bench preset's intermediate size (6144): 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162
+us with chunks of 1024 and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the
+row in registers was slower at 8,184 rows.
 """
 
 from __future__ import annotations

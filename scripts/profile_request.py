@@ -110,7 +110,7 @@ def main() -> None:
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(ckpt / "catalog.json")))
     # the heap frozen as `flashrec serve` and `bench --engine` freeze it: otherwise collector
     # passes over the catalog's million objects land inside the timed requests (the cProfile of
-    # session 19's run put 0.75 ms a call in inference_mode.__exit__, where they surface)
+    # session 19's run put 0.75 ms a call in inference_mode.__exit__, likely collector passes)
     with frozen_heap():
         for n in (int(w) for w in args.widths.split(",")):
             text = _profile_width(engine, n, args.repeats, out, args.tag)

@@ -188,10 +188,11 @@ class FlashInferAttentionBackend:
     ) -> GroupedMetadata:
         """One plan per layer group (see `_plan_group`)."""
         if isinstance(graph, PrefillGraphAttention):
-            split = {} if self.prefill_split_kv else {"disable_split_kv": True}
+            no_split = not self.prefill_split_kv
             return GroupedMetadata(
                 tuple(
-                    self._plan_prefill(step, g, w, **split) for g, w in enumerate(graph.per_group)
+                    self._plan_prefill(step, g, w, disable_split_kv=no_split)
+                    for g, w in enumerate(graph.per_group)
                 )
             )
         return GroupedMetadata(
@@ -241,14 +242,15 @@ class FlashInferAttentionBackend:
         return self._plan_prefill(step, g, eager.prefill)
 
     def _plan_prefill(
-        self, step: StepInput, g: int, wrapper: Any, **split: bool
+        self, step: StepInput, g: int, wrapper: Any, disable_split_kv: bool = False
     ) -> FlashInferMetadata:
         hq, hkv, d = self.shape
         self._plan(
             wrapper,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(step.qo_indptr.numel() - 1),
-            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]), **split,
+            hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]),
+            disable_split_kv=disable_split_kv,
         )  # fmt: skip
         return FlashInferMetadata("prefill", wrapper)
 

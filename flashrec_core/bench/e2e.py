@@ -11,7 +11,6 @@ latency a caller sees, host work included.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashrec_core.bench.roofline import floor_seconds, measure_peaks, served_model
+from flashrec_core.bench.roofline import floor_seconds, measure_peaks_beside, served_model
 from flashrec_core.bench.workload import RequestSpec, random_catalog, synthetic_requests
 from flashrec_core.engine.requests import GenerationRequest
 
@@ -211,17 +210,8 @@ def _floor_seconds(
     """The roofline floor of the same requests, as the synthetic bench computes it; None when
     the card has no room left beside the engine to measure its peaks."""
     served = served_model(engine)
-    # Beside the engine's KV pool: the allocator's cached activations handed back first, and a
-    # 1 GiB copy, not 4 (still 20x the L2, the same DRAM bandwidth). On an 80 GiB H100 the
-    # 4 GiB copy ran out of memory after the run and lost every figure of it.
-    torch.cuda.empty_cache()
-    try:
-        peaks = measure_peaks(served.fp8, engine.runner.device, copy_gib=1)
-    except torch.OutOfMemoryError:
-        print("no device memory left beside the engine to measure peaks: no roofline figures",
-              file=sys.stderr)  # fmt: skip
+    peaks = measure_peaks_beside(served.fp8, engine.runner.device, "engine")
+    if peaks is None:
         return None
-    finally:
-        torch.cuda.empty_cache()
     shapes = [(len(r.prompt_ids), r.n) for r in requests]
     return floor_seconds(engine.runner.config, served, peaks, shapes, level_sizes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -315,7 +314,7 @@ def server_floor(
 
     import torch
 
-    from flashrec_core.bench.roofline import ServedModel, floor_seconds, measure_peaks
+    from flashrec_core.bench.roofline import ServedModel, floor_seconds, measure_peaks_beside
     from flashrec_core.registry import Registry
 
     if not torch.cuda.is_available():
@@ -325,23 +324,11 @@ def server_floor(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     card = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]
     served = ServedModel(**card["flashrec"]["roofline"])
-    try:  # beside a server whose KV pool took most of the card: a 1 GiB copy, not 4
-        peaks = measure_peaks(served.fp8, torch.device("cuda"), copy_gib=1)
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        # RuntimeError: with ~0.1 GiB left (an 80 GiB H100 beside a warmed-up server) even this
-        # process's CUDA context cannot be created; the load itself needs no GPU
-        print(f"no GPU memory left beside the server to measure peaks ({_first_line(exc)}): "
-              "no roofline figures", file=sys.stderr)  # fmt: skip
+    peaks = measure_peaks_beside(served.fp8, torch.device("cuda"), "server")
+    if peaks is None:
         return None
-    finally:
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # hand the buffers back before the load starts
 
     def floor(prompts: list[list[int]]) -> float:
         return floor_seconds(cfg, served, peaks, [(len(p), n) for p in prompts], level_sizes)
 
     return floor
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

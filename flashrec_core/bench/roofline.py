@@ -6,6 +6,7 @@ can beat it. measured / floor says how close the engine runs to the hardware.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,30 @@ def measure_peaks(fp8: bool, device: torch.device, copy_gib: int = 4) -> Peaks:
     dst = torch.empty_like(src)
     copy_ms = do_bench(lambda: dst.copy_(src))
     return Peaks(2 * m**3 / (ms * 1e-3), 2 * src.numel() * 2 / (copy_ms * 1e-3))
+
+
+def measure_peaks_beside(fp8: bool, device: torch.device, neighbour: str) -> Peaks | None:
+    """`measure_peaks` on a card that `neighbour` (an engine, a server) mostly fills: the
+    allocator's cached blocks handed back first and a 1 GiB copy, not 4 (still 20x the L2, the
+    same DRAM bandwidth). None, with a line on stderr, when even that does not fit: on an 80 GiB
+    H100 the 4 GiB copy ran out of memory beside an engine, and beside a warmed-up server not
+    even a second process's CUDA context fit (a RuntimeError, so one is caught only while this
+    process has no context yet; later it is a real error)."""
+    fresh = not torch.cuda.is_initialized()
+    if not fresh:
+        torch.cuda.empty_cache()
+    try:
+        return measure_peaks(fp8, device, copy_gib=1)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not (isinstance(exc, torch.OutOfMemoryError) or fresh):
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"no GPU memory left beside the {neighbour} to measure peaks ({reason}): "
+              "no roofline figures", file=sys.stderr)  # fmt: skip
+        return None
+    finally:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # hand the buffers back before the measured work
 
 
 @dataclass(frozen=True)

@@ -154,11 +154,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def add_beam_attention_args(p: argparse.ArgumentParser) -> None:
-    """How beam steps attend (generate and bench alike)."""
+    """How beam steps and prefills attend (generate and bench alike)."""
     p.add_argument("--no-cascade", action="store_true", help="flat per-beam decode attention")
     p.add_argument(
         "--beam-attention", choices=["auto", "cascade", "triton"], default="auto",
         help="beam steps' attention: the one-pass Triton kernel or the backend's cascade "
+        "(auto: Triton where it applies)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-attention", choices=["auto", "backend", "triton"], default="auto",
+        help="prompt prefills' attention: the Triton prefill kernel or the attention backend's "
         "(auto: Triton where it applies)",
     )  # fmt: skip
 
@@ -279,7 +284,7 @@ _ENGINE_FLAGS = {
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
-    "no_prefill_split_kv": "prefill_split_kv",
+    "no_prefill_split_kv": "prefill_split_kv", "prefill_attention": "prefill_attention",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -509,6 +514,8 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"schedule": args.schedule} if args.schedule else {}
     if args.no_prefill_split_kv:
         out["prefill_split_kv"] = False
+    if args.prefill_attention != "auto":
+        out["prefill_attention"] = args.prefill_attention
     return out
 
 
@@ -524,7 +531,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
         catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
         cascade=not args.no_cascade, graphs=not args.no_graphs, rows_per_wave=args.rows_per_wave,
-        beam_attention=args.beam_attention,
+        beam_attention=args.beam_attention, prefill_attention=args.prefill_attention,
         hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
         profile_path=args.profile,
     )  # fmt: skip

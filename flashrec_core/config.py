@@ -43,6 +43,12 @@ class EngineConfig(BaseModel):
     two levels (FlashInfer prefix prefill + per-beam decode + merge, or the torch reference; flat
     per-beam decode with cascade_attention=False). "auto" picks "triton" on CUDA with
     cascade_attention, a bf16 model, a bf16/FP8 KV cache and a power-of-two head_dim <= 256."""
+    prefill_attention: Literal["auto", "backend", "triton"] = "auto"
+    """Prompt prefills' attention: "triton" = `flashrec_kernels.prefill_attention` (causal, over
+    the paged pool, GQA packed into its query tiles); "backend" = the attention backend's own
+    prefill (FlashInfer's, or the torch reference). "auto" picks "triton" where the beam kernel
+    applies (the same conditions: CUDA, a bf16 model, a bf16/FP8 KV cache, a power-of-two
+    head_dim <= 256)."""
     cuda_graphs: bool = True
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and a beam-step attention path that captures (FlashInfer, or the Triton
@@ -122,13 +128,37 @@ def resolve_engine_config(
     if head_dim is not None:
         beam, beam_why = _resolve_beam_attention(resolved, head_dim)
         logger.info("beam steps attend through %s (%s)", beam, beam_why)
-        resolved = resolved.model_copy(update={"beam_attention": beam})
+        prefill, prefill_why = _resolve_prefill_attention(resolved, head_dim)
+        logger.info("prefills attend through %s (%s)", prefill, prefill_why)
+        resolved = resolved.model_copy(
+            update={"beam_attention": beam, "prefill_attention": prefill}
+        )
     logger.info(
         "engine: device=%s dtype=%s quantization=%s kv_cache_dtype=%s attention_backend=%s "
         "triton=%s%s cuda_graphs=%s",
         device, dtype, quant, kv, backend, ok, f" ({why})" if why else "", resolved.cuda_graphs,
     )  # fmt: skip
     return resolved
+
+
+def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:
+    """("triton" | "backend", why). "auto" takes the Triton prefill kernel wherever the beam
+    kernel applies (both take bf16 queries over the pool and the same head dims)."""
+    if cfg.prefill_attention == "triton" and not cfg.triton_kernels:
+        raise ValueError(
+            f"--prefill-attention triton needs Triton kernels here: {cfg.triton_reason}"
+        )
+    if cfg.prefill_attention != "auto":
+        return cfg.prefill_attention, "asked for"
+    if cfg.device != "cuda":
+        return "backend", f"auto: device is {cfg.device}"
+    if cfg.dtype != "bfloat16" or cfg.kv_cache_dtype not in ("bfloat16", "fp8_e4m3"):
+        return "backend", (
+            f"auto: the kernel takes bf16 queries and a bf16/FP8 cache, not {cfg.kv_cache_dtype}"
+        )
+    if head_dim > 256 or head_dim & (head_dim - 1):
+        return "backend", f"auto: head_dim {head_dim} is not a power of two <= 256"
+    return ("triton", "auto") if cfg.triton_kernels else ("backend", f"auto: {cfg.triton_reason}")
 
 
 def _resolve_beam_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from .fp8 import (
     per_token_quant_fp8_ref,
     quantize_rows_ref,
 )
+from .prefill_attention import prefill_attention, prefill_attention_ref, prefill_tiles
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
 from .silu_mul import (
@@ -55,6 +56,9 @@ __all__ = [
     "pack_keys",
     "per_token_quant_fp8",
     "per_token_quant_fp8_ref",
+    "prefill_attention",
+    "prefill_attention_ref",
+    "prefill_tiles",
     "quantize_rows_ref",
     "rms_norm_quant_fp8",
     "rms_norm_quant_fp8_ref",

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh STAGE...     (run scripts/gpu_wheels.sh here first)
 # Stages: tests (GPU test tier), bench (n=50 with profile, n=512), ablations (FlashInfer cascade,
 # flat decode, BF16, graphs off), bench50 / bench512 (one width), triton (beam steps forced through the Triton kernel),
-# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), kernels (tests/kernels natively), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), splitkv (prefill graphs with and without FlashInfer's split-KV: request-profile and Engine.generate at n=50, A then B), thread-probe (scripts/engine_thread_probe.py: the engine loop offline, on its thread, under closed loops, beside a GIL burner; PROBE_N="50:400"), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), elementwise (scripts/bench_elementwise.py: SiLU-mul and RMSNorm launch configurations against the copy bandwidth), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
+# gputests (tests/gpu + the beam kernels only), prefillgraphs (the prefill graph tests of tests/gpu/test_cuda_graphs.py), kernels (tests/kernels natively), beamkernel (the Triton beam kernel's tests alone), e2e / e2e-engine / e2e-server (Engine.generate + flashrec serve under load; E2E_N="50:400 512:64" picks the engine widths), server-ab (the server with and without --admission-delay-factor 1), contract (contract v2: plugins' GPU tier + kernels), filters (item-filter cost at n=512), diagnose (scripts/diagnose_gpu_search.py), request-profile (scripts/profile_request.py: one unloaded request under torch.profiler and cProfile), splitkv (prefill graphs with and without FlashInfer's split-KV: request-profile and Engine.generate at n=50, A then B), prefillattn (the Triton prefill kernel's tests natively, then scripts/bench_prefill_attention.py), prefillab (request-profile and Engine.generate with the Triton prefill kernel, then with FlashInfer's), thread-probe (scripts/engine_thread_probe.py: the engine loop offline, on its thread, under closed loops, beside a GIL burner; PROBE_N="50:400"), syncs (scripts/find_syncs.py), server-profile (cProfile of the engine thread under load), attention (scripts/bench_attention.py), elementwise (scripts/bench_elementwise.py: SiLU-mul and RMSNorm launch configurations against the copy bandwidth), compare (the published reference engine, PyPI flashrec 0.1.2 from .whl/ref/, and ours on one checkpoint: scripts/compare_reference.py; COMPARE_ARGS adds its flags, e.g. "--widths 50 --requests 400"). Each stage runs under its own time guard (STAGE_S seconds,
 # default 420) so that a slow stage still leaves the logs of the others in $OUT. CALL_S (default 550)
 # bounds the whole script below the device tool's 600 s per-call limit: a stage never runs past it,
 # so the compiled kernels are always packed on exit (a call killed from outside packs nothing).
@@ -227,6 +227,24 @@ for what in "${@:-tests}"; do
         # shellcheck disable=SC2086
         timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
           --out "$out/splitkv_n${spec%:*}$tag.json" 2>&1 | tail -22
+      done
+      gzip -f "$out"/trace_request_*.json ;;
+    prefillattn)  # the Triton prefill kernel natively against its reference, then alone against
+      # FlashInfer's prefill (scripts/bench_prefill_attention.py)
+      pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
+      timeout "$(left)" python3 scripts/bench_prefill_attention.py "$out" 2>&1 | tail -12 ;;
+    prefillab)  # prefills through the Triton prefill kernel (default) and FlashInfer: one request's
+      # profile at both widths, then Engine.generate (PREFILLAB_N="N:REQUESTS"), each A then B
+      ensure_checkpoint
+      for flag in "" "--prefill-attention backend"; do
+        tag=${flag:+_backend}
+        # shellcheck disable=SC2086  # $flag is empty or one flag with its value
+        timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" --repeats 10 --tag "$tag" $flag \
+          2>&1 | grep -E "^(## n=|wall|GPU|per request)"
+        spec=${PREFILLAB_N:-50:400}
+        # shellcheck disable=SC2086
+        timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
+          --out "$out/prefillab_n${spec%:*}$tag.json" 2>&1 | tail -22
       done
       gzip -f "$out"/trace_request_*.json ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load

@@ -152,6 +152,7 @@ def bench_engine(
         "quantization": ecfg.quantization,
         "schedule": ecfg.schedule,
         "prefill_split_kv": ecfg.prefill_split_kv,
+        "prefill_attention": ecfg.prefill_attention,
     }
 
 

@@ -45,6 +45,7 @@ class BenchConfig:
     cascade: bool = True
     graphs: bool = True
     beam_attention: str = "auto"
+    prefill_attention: str = "auto"
     rows_per_wave: int = 8192
     hf_baseline: bool = True
     hf_requests: int = 8
@@ -63,7 +64,7 @@ def _build(bc: BenchConfig) -> tuple[BeamWave, Any, torch.Tensor]:
         quantization="fp8" if bc.fp8 else "none", kv_cache_dtype="fp8_e4m3" if bc.fp8 else "bfloat16",
         attention_backend="flashinfer", cascade_attention=bc.cascade, kv_cache_tokens=kv_tokens,
         cuda_graphs=bc.graphs, max_wave_rows=bc.rows_per_wave, beam_attention=bc.beam_attention,
-        max_context=bc.prompt_len + 8, max_requests=max(per_wave, 1) + 1, show_progress=False,
+        prefill_attention=bc.prefill_attention, max_context=bc.prompt_len + 8, max_requests=max(per_wave, 1) + 1, show_progress=False,
     )  # fmt: skip
     runner = ModelRunner(random_model(shape, cfg, bc.seed))
     layout = sid_layout_at_end(runner.config.vocab_size, bc.level_sizes)

@@ -63,6 +63,11 @@ class ModelRunner:
             self.attn_backend = _with_triton_beam_steps(
                 self.attn_backend, ecfg, max_context, self.config
             )
+        assert ecfg.prefill_attention != "auto", "load_model resolves prefill_attention"
+        if ecfg.prefill_attention == "triton":
+            self.attn_backend = _with_triton_prefills(
+                self.attn_backend, ecfg, max_context, self.config
+            )
 
     @classmethod
     def from_config(
@@ -147,6 +152,20 @@ def _with_triton_beam_steps(
         backend, device, max_rows=ecfg.max_wave_rows,
         max_prompt_slots=ecfg.max_requests * max_context, layers=config.layer_attention(),
         head_dim=config.head_dim,
+    )  # fmt: skip
+
+
+def _with_triton_prefills(
+    backend: AttentionBackend, ecfg: EngineConfig, max_context: int, config: ModelConfig
+) -> AttentionBackend:
+    from flashrec_core.attention.triton_prefill import TritonPrefillAttention
+    from flashrec_core.engine.prefill_graph import SEQUENCE_BUCKETS
+
+    return TritonPrefillAttention(
+        backend, torch.device(ecfg.device), num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_context=max_context,
+        max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
+        layers=config.layer_attention(),
     )  # fmt: skip
 
 

@@ -136,15 +136,19 @@ def _beam_step(widths: list[int], prompt_lens: list[int], level: int):
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-@pytest.mark.parametrize("path", ["prefill", "flat-decode", "cascade", "triton-beam"])
+@pytest.mark.parametrize(
+    "path", ["prefill", "triton-prefill", "flat-decode", "cascade", "triton-beam"]
+)
 def test_layer_spec_honoured_like_the_reference(name: str, path: str) -> None:
     """Contract v2: soft-cap and sliding window (prompts of 30..513 tokens, window 48) through
-    each FlashInfer path and the Triton beam kernel == the torch reference with the same spec."""
+    each FlashInfer path and the Triton beam and prefill kernels == the torch reference with
+    the same spec."""
     from flashrec_core.attention.triton_beam import TritonBeamAttention
+    from flashrec_core.attention.triton_prefill import TritonPrefillAttention
 
     spec = SPECS[name]
     pool = _pool(torch.bfloat16)
-    if path == "prefill":
+    if path.endswith("prefill"):
         lens = [30, 300, 129]
         slots = [torch.arange(1 + 600 * i, 1 + 600 * i + n) for i, n in enumerate(lens)]
         step = prepare_prefill([[1] * n for n in lens], slots, [0, 64, 100])
@@ -159,6 +163,11 @@ def test_layer_spec_honoured_like_the_reference(name: str, path: str) -> None:
         backend = TritonBeamAttention(
             backend, torch.device("cuda"), 64, 4096, layers=(spec,), head_dim=D
         )
+    if path == "triton-prefill":
+        backend = TritonPrefillAttention(
+            backend, torch.device("cuda"), num_q_heads=HQ, num_kv_heads=HKV,
+            head_dim=D, max_context=1024, layers=(spec,),
+        )  # fmt: skip
     got = _run(backend, step, pool, q, spec.scale)
     err = (got - ref).abs().max().item()
     assert err < ATOL, f"{path} with {name} ({spec}): max abs diff {err:.4f} vs the torch reference"

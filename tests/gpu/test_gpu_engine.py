@@ -96,8 +96,9 @@ def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=4096
     )
     engine = Engine.from_config(cfg, SearchConfig())
-    # auto: beam steps through the Triton beam kernel, everything else through FlashInfer
-    assert engine.runner.attn_backend.name == "flashinfer+triton-beam"
+    # auto: beam steps through the Triton beam kernel, prefills through the Triton prefill
+    # kernel, everything else through FlashInfer
+    assert engine.runner.attn_backend.name == "flashinfer+triton-beam+triton-prefill"
     assert set(engine.runner.loaded.context.fused) == {c.name for c in spec.capabilities}
     assert engine.runner.kv_pool.dtype == torch.float8_e4m3fn
     [res] = engine.generate([engine.make_request(prompt="w1 w2", n=8)])

@@ -1,0 +1,198 @@
+"""Triton kernel of `prefill_attention`: one program per (tile, kv head).
+
+A tile is BLOCK_M packed rows of one sequence (row m: token m // GROUP, q head
+kv_head * GROUP + m % GROUP), so each K/V chunk gathered from the pool feeds every q head that
+shares it through one tl.dot. The program folds the sequence's keys into an online softmax in
+BLOCK_N chunks (fp32 running max, sum and accumulator; exp2 with log2(e) folded into the scale):
+first the chunks every row of the tile sees whole (no mask), then the chunks along the causal
+diagonal (masked); keys after the tile's last token are never read. With a sliding window every
+chunk is masked and the loop starts at the window of the tile's first token.
+
+No split-KV: a prefill's tiles already number (tokens x GROUP / BLOCK_M) x Hkv, 128 programs for
+one 1,024-token prompt of the bench preset's shape. A few new tokens over a long cached prompt
+would be few programs, each walking the whole prompt; the engine routes only prefills this
+kernel fills the GPU with (see flashrec_core/attention/triton_beam.py).
+
+Interpreter: the dot operands are fp32 holding bf16-rounded values, as in the beam kernel
+(triton-lang/triton#11584), and loops over loaded bounds are while loops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .device import triton_interpreting
+from .triton_beam_attention import _dot_operand, _scores
+from .triton_fp8 import cast_for_store
+
+__all__ = ["BLOCK_N", "NUM_STAGES", "launch_prefill_attention"]
+
+BLOCK_N = 64
+NUM_STAGES = 2
+_LOG2E = math.log2(math.e)
+_M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
+
+
+@triton.jit
+def _chunk(
+    q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s, vc_stride_s,
+    m_i, l_i, acc, qk_scale, cap_log2, window,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Fold keys [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). MASKED: the chunk
+    crosses the causal diagonal, the sliding window or `hi` (the keys' end)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    if MASKED:
+        mask_n = offs_n < hi
+        slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            k_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :],
+            mask=mask_n[:, None], other=0.0,
+        )  # fmt: skip
+    else:
+        slots = tl.load(idx_ptr + offs_n).to(tl.int64)
+        k = tl.load(k_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
+    s = _scores(tl.dot(q, tl.trans(_dot_operand(k, INTERPRET))), qk_scale, cap_log2, SOFTCAP)
+    if MASKED:
+        seen = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
+        if WINDOW:
+            seen = seen & (offs_n[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v_ptrs = v_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, INTERPRET), _dot_operand(v, INTERPRET))
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_idx_ptr, tiles_ptr, o_ptr,
+    q_stride_t, q_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h,
+    o_stride_t, o_stride_h, qk_scale, cap_log2, window,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles_ptr + 2 * tile)
+    if seq < 0:
+        return  # a spare program of a fixed (graph) grid
+    first = tl.load(tiles_ptr + 2 * tile + 1)  # the tile's first packed row
+    q_start = tl.load(qo_indptr_ptr + seq)
+    qo_len = tl.load(qo_indptr_ptr + seq + 1) - q_start
+    kv_start = tl.load(kv_indptr_ptr + seq)
+    kv_len = tl.load(kv_indptr_ptr + seq + 1) - kv_start
+    past = kv_len - qo_len  # keys before the sequence's first new token
+    offs_m = first + tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP
+    mask_m = tok < qo_len
+    heads = kv_head * GROUP + offs_m % GROUP
+    pos = past + tok  # [BLOCK_M] each row's position: it sees keys <= pos
+    offs_d = tl.arange(0, D)
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=mask_m[:, None], other=0.0,
+    )  # fmt: skip
+    q = _dot_operand(q, INTERPRET)
+
+    m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    first_pos = past + first // GROUP
+    hi = past + tl.minimum(qo_len, (first + BLOCK_M - 1) // GROUP + 1)  # keys [0, hi) are read
+    idx_ptr = kv_idx_ptr + kv_start
+    kc_head, vc_head = kv_head.to(tl.int64) * kc_stride_h, kv_head.to(tl.int64) * vc_stride_h
+    if WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full = lo  # every chunk masked
+    else:
+        lo = 0
+        full = (first_pos + 1) // BLOCK_N * BLOCK_N  # chunks below it: every row sees them whole
+    if INTERPRET:
+        # The interpreter cannot take a loaded scalar as a range() bound (int() of a 1-element
+        # array fails under numpy >= 2.4); a while loop only needs its truth value.
+        n0 = lo
+        while n0 < full:
+            m_i, l_i, acc = _chunk(
+                q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
+                vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW,
+            )  # fmt: skip
+            n0 += BLOCK_N
+        while n0 < hi:
+            m_i, l_i, acc = _chunk(
+                q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
+                vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, full, BLOCK_N):  # for loops, so the compiler pipelines the loads
+            m_i, l_i, acc = _chunk(
+                q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
+                vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW,
+            )  # fmt: skip
+        for n0 in range(full, hi, BLOCK_N):
+            m_i, l_i, acc = _chunk(
+                q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
+                vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW,
+            )  # fmt: skip
+
+    o = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # rows past the sequence: not stored
+    o_ptrs = o_ptr + rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :]
+    tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def launch_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    tiles: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    logit_softcap: float | None,
+    window: int | None,
+    block_m: int,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = NUM_STAGES,
+) -> None:
+    """Launch the (tiles, Hkv) grid; arguments are validated by the public wrapper. num_warps
+    defaults to 8 for 128-row tiles and 4 below."""
+    num_tiles = tiles.shape[0]
+    if num_tiles == 0 or q.shape[0] == 0:
+        return
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if logit_softcap is None:
+        qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
+    else:
+        qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
+    _prefill_attention_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        qk_scale, cap_log2, 0 if window is None else window,
+        GROUP=num_q_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N if block_n is None else block_n, INTERPRET=triton_interpreting(),
+        SOFTCAP=logit_softcap is not None, WINDOW=window is not None,
+        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
+    )  # fmt: skip

@@ -1,0 +1,134 @@
+"""Prefill attention alone, one layer: FlashInfer (the engine's prefill-graph wrappers, split-KV on
+and off) vs the Triton prefill kernel in several launch configurations, on the same paged FP8 pool.
+
+Shape: the bench preset's attention (16 q / 8 kv heads, head_dim 128), FP8 KV over scattered slots.
+Each case is one prefill step: fresh prompts, prompts after a cached prefix, and a few new tokens
+over a long cached prompt. Timed with `triton.testing.do_bench` (CUDA events); every Triton
+configuration's output is checked against FlashInfer's before it is timed. Usage (on the GPU):
+    python scripts/bench_prefill_attention.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+from flashrec_kernels.prefill_attention import prefill_tiles
+from flashrec_kernels.triton_prefill_attention import launch_prefill_attention
+
+from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
+from flashrec_core.engine.model_runner import prepare_prefill
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import ForwardBatch
+
+HQ, HKV, D = 16, 8, 128
+DEV = torch.device("cuda")
+# (name, new tokens per prompt, cached tokens per prompt, prompts)
+CASES = [
+    ("1 fresh x 1024", 1024, 0, 1),
+    ("1 x 960 after 64 cached", 960, 64, 1),
+    ("8 x 960 after 64 cached", 960, 64, 8),
+    ("16 x 512 fresh", 512, 0, 16),
+    ("1 fresh x 4096", 4096, 0, 1),
+    ("1 x 16 after 1024 cached", 16, 1024, 1),
+    ("16 x 16 after 1024 cached", 16, 1024, 16),
+]
+# (block_m, block_n, num_warps, num_stages)
+CONFIGS = [
+    (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+    (64, 128, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3),
+]  # fmt: skip
+
+
+def _case(new: int, cached: int, prompts: int, slots: int):
+    gen = torch.Generator().manual_seed(0)
+    total = new + cached
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    seq_slots = [perm[i * total : (i + 1) * total] for i in range(prompts)]
+    ids = [[1] * total for _ in range(prompts)]
+    return prepare_prefill(ids, seq_slots, [cached] * prompts)
+
+
+def _flops(new: int, cached: int, prompts: int) -> float:
+    seen = sum(cached + i + 1 for i in range(new))  # keys each query attends
+    return 4.0 * D * HQ * seen * prompts
+
+
+def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int, split: bool):
+    """(us, output) of FlashInfer's prefill as a prefill graph replays it (graph-mode wrappers)."""
+    fi = FlashInferAttentionBackend(
+        DEV, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.bfloat16,
+        kv_dtype=pool.dtype, max_rows=8192, max_requests=64, max_context=8192,
+        prefill_split_kv=split,
+    )  # fmt: skip
+    meta = fi.plan(step, graph=fi.prefill_graph_attention(prompts, q.shape[0]))
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, fi, meta)
+    run = functools.partial(fi.forward, q, 0, D**-0.5, batch)
+    return triton.testing.do_bench(run, rep=100) * 1e3, run().float()
+
+
+def _triton_us(step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int]):
+    """(us, output) of the Triton kernel in one launch configuration."""
+    bm, bn, warps, stages = config
+    tiles = prefill_tiles(step.qo_indptr, step.kv_indptr, HQ // HKV, bm).to(DEV)
+    out = torch.empty_like(q)
+    run = functools.partial(
+        launch_prefill_attention, q, pool.k_cache[0], pool.v_cache[0],
+        step.qo_indptr.to(DEV, torch.int32), step.kv_indptr.to(DEV, torch.int32),
+        step.kv_indices.to(DEV, torch.int32), tiles, D**-0.5, out, None, None, bm, bn,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    run()
+    return triton.testing.do_bench(run, rep=100) * 1e3, out.float()
+
+
+def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
+    slots = prompts * (new + cached) + 1024
+    step = _case(new, cached, prompts, slots)
+    kv_dtype = torch.float8_e4m3fn
+    pool = KVPool(1, HKV, D, slots, kv_dtype, DEV)
+    pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
+    pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
+    q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
+    flops = _flops(new, cached, prompts)
+    row = {"case": name, "tokens": q.shape[0], "gflop": flops / 1e9}
+    row["flashinfer_split_us"], ref = _flashinfer_us(step, pool, q, prompts, True)
+    row["flashinfer_nosplit_us"], _ = _flashinfer_us(step, pool, q, prompts, False)
+    best = None
+    for config in CONFIGS:
+        us, got = _triton_us(step, pool, q, config)
+        key = "triton_m{}_n{}_w{}_s{}".format(*config)
+        row[key + "_us"], row[key + "_maxdiff"] = us, float((got - ref).abs().max())
+        if best is None or us < best[1]:
+            best = (key, us)
+    row["best"], row["best_us"] = best
+    row["best_tflops"] = flops / (best[1] * 1e-6) / 1e12
+    return row
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    rows = []
+    for case in CASES:
+        row = _bench_case(*case)
+        rows.append(row)
+        print(
+            f"{row['case']:28s} FI split {row['flashinfer_split_us']:7.1f} us, no split "
+            f"{row['flashinfer_nosplit_us']:7.1f} us | Triton default "
+            f"{row['triton_m128_n64_w8_s2_us']:7.1f} us, best {row['best']} "
+            f"{row['best_us']:7.1f} us ({row['best_tflops']:.0f} TFLOP/s), max |diff| "
+            f"{row['triton_m128_n64_w8_s2_maxdiff']:.4f}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    (out / "bench_prefill_attention.json").write_text(
+        json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -307,19 +307,22 @@ class BeamWave:
 
     def _prefill(self, state: WaveState) -> None:
         device, requests = self.runner.device, state.requests
-        prompts = [list(r.prompt_ids) for r in requests]
-        state.noise = NoiseSource(requests, device)
-        if state.index is not None:
-            filters = [r.item_filter for r in requests]
-            state.masks = FilterMasks.create(filters, state.index, state.trie, device)
-        elif any(r.item_filter is not None for r in requests):
+        if state.index is None and any(r.item_filter is not None for r in requests):
             raise ValueError("item filters need a catalog (--catalog)")
-        first = BeamLayout.create([1] * len(requests), device)
-        state.layout = BeamLayout.create([r.n for r in requests], device)
+        prompts = [list(r.prompt_ids) for r in requests]
         # Host slots (state.prompt_slots), not the device table: reading it back would be one
         # device-to-host sync per request. Every upload is non-blocking for the same reason.
         self._mark("start")
         hidden = self._prefill_hidden(prompts, state.prompt_slots, state.cached_lens)
+        # Only the prefill's own inputs go before its launch: everything below is host work
+        # and small uploads that overlap the prefill on the GPU (an unloaded request's GPU sat
+        # idle ~1.4 ms while they ran first: docs/benchmarks.md, session 19).
+        state.noise = NoiseSource(requests, device)
+        if state.index is not None:
+            filters = [r.item_filter for r in requests]
+            state.masks = FilterMasks.create(filters, state.index, state.trie, device)
+        first = BeamLayout.create([1] * len(requests), device)
+        state.layout = BeamLayout.create([r.n for r in requests], device)
         zeros = torch.zeros(len(requests), device=device)
         nodes = torch.zeros(len(requests), dtype=torch.int64, device=device)
         state.sel = self._select(

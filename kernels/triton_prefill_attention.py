@@ -29,10 +29,16 @@ from .device import triton_interpreting
 from .triton_beam_attention import _dot_operand, _scores
 from .triton_fp8 import cast_for_store
 
-__all__ = ["BLOCK_N", "NUM_STAGES", "launch_prefill_attention"]
+__all__ = ["NUM_STAGES", "NUM_WARPS", "default_block_n", "launch_prefill_attention"]
 
-BLOCK_N = 64
+NUM_WARPS = 8
 NUM_STAGES = 2
+# Launch chosen on an H200 (scripts/bench_prefill_attention.py, docs/benchmarks.md, session 20):
+# at head_dim 128, 128-row tiles over 128-key chunks at 8 warps and 2 stages were the fastest
+# of 8 configurations for prompts of 960-4,096 new tokens (47 us for one 960-token prompt
+# against 60 us with 64-key chunks) and within 6% of the best elsewhere. Every configuration
+# spills some registers for sm_90 (400-1,200 bytes a thread by ptxas); the measured time is
+# what decided. head_dim 256 (unmeasured) takes 64-key chunks at 8 warps: 4 warps spilled 8 KB.
 _LOG2E = math.log2(math.e)
 _M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
 
@@ -158,6 +164,11 @@ def _prefill_attention_kernel(
     tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
+def default_block_n(head_dim: int) -> int:
+    """Keys per chunk: 128 up to head_dim 128, 64 above (see the launch note above)."""
+    return 128 if head_dim <= 128 else 64
+
+
 def launch_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -172,11 +183,11 @@ def launch_prefill_attention(
     window: int | None,
     block_m: int,
     block_n: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> None:
-    """Launch the (tiles, Hkv) grid; arguments are validated by the public wrapper. num_warps
-    defaults to 8 for 128-row tiles and 4 below."""
+    """Launch the (tiles, Hkv) grid; arguments are validated by the public wrapper. block_n
+    defaults to `default_block_n(head_dim)`."""
     num_tiles = tiles.shape[0]
     if num_tiles == 0 or q.shape[0] == 0:
         return
@@ -192,7 +203,7 @@ def launch_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         qk_scale, cap_log2, 0 if window is None else window,
         GROUP=num_q_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N if block_n is None else block_n, INTERPRET=triton_interpreting(),
-        SOFTCAP=logit_softcap is not None, WINDOW=window is not None,
-        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages,
+        BLOCK_N=default_block_n(head_dim) if block_n is None else block_n,
+        INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
+        WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -8,10 +8,11 @@ first the chunks every row of the tile sees whole (no mask), then the chunks alo
 diagonal (masked); keys after the tile's last token are never read. With a sliding window every
 chunk is masked and the loop starts at the window of the tile's first token.
 
-No split-KV: a prefill's tiles already number (tokens x GROUP / BLOCK_M) x Hkv, 128 programs for
-one 1,024-token prompt of the bench preset's shape. A few new tokens over a long cached prompt
-would be few programs, each walking the whole prompt; the engine routes only prefills this
-kernel fills the GPU with (see flashrec_core/attention/triton_beam.py).
+No split-KV: a prefill's tiles already number (tokens x GROUP / BLOCK_M) x Hkv, 120 programs for
+one 960-token prompt of the bench preset's shape. A few new tokens over a long cached prompt are
+few programs, each walking the whole prompt: on an H200, 16 new tokens over 1,024 cached ones
+took 50 us alone, FlashInfer's split-KV prefill 56 us (both mostly launch time outside a graph).
+Prompts cached to many thousands of tokens would want a split; none is built.
 
 Interpreter: the dot operands are fp32 holding bf16-rounded values, as in the beam kernel
 (triton-lang/triton#11584), and loops over loaded bounds are while loops.

@@ -1,0 +1,80 @@
+"""Does the Triton prefill score beams like FlashInfer's prefill? (GPU diagnosis of the GPU tier's
+beam-search parity test, tests/gpu/test_gpu_engine.py, with both prefill paths side by side.)
+
+For every architecture, the test's tiny checkpoint, prompt and catalogs: the worst |engine
+log-prob - fp32 transformers log-prob| over the returned beams, per n, beam-step attention and
+prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02).
+Usage: python scripts/diagnose_prefill_accuracy.py [OUT_DIR] [--quantization fp8|none]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.engine import Engine
+from flashrec_core.registry import Registry
+from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
+from flashrec_core.testing.checkpoint import gpu_shape, write_tiny_checkpoint
+from flashrec_core.testing.hf_beam import teacher_forced_logprob
+
+PROMPT = "user history w1 w7 w3 item w9"
+WIDTHS = (4, 16, 64)
+
+
+def _worst(engine: Engine, hf, n: int) -> tuple[float, dict]:
+    req = engine.make_request(prompt=PROMPT, n=n)
+    [res] = engine.generate([req])
+    exact = partial(teacher_forced_logprob, hf, req.prompt_ids, engine.layout)
+    errors = {c.codes: abs(c.logprob - exact(c.codes)) for c in res.choices}
+    return max(errors.values()), errors
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
+    quant = "none" if "none" in sys.argv else "fp8"
+    kv = "fp8_e4m3" if quant == "fp8" else "bfloat16"
+    lines = [f"quantization {quant}; worst |engine - fp32| per n {WIDTHS}"]
+    print(lines[0], flush=True)
+    for arch in Registry.discover().architectures():
+        spec = Registry.discover().resolve(arch)
+        path = Path(tempfile.mkdtemp())
+        hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
+        catalogs = {
+            n: write_catalog(path / f"c{n}.json", random_codes(400, seed=n)) for n in WIDTHS
+        }
+
+        def engine(device: str, n: int, path: Path = path, catalogs: dict = catalogs, **over):
+            cfg = EngineConfig(
+                model_path=str(path), device=device, dtype="bfloat16", quantization=quant,
+                kv_cache_dtype=kv, show_progress=False, kv_cache_tokens=1 << 16, **over,
+            )  # fmt: skip
+            return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalogs[n])))
+
+        bounds = [2 * _worst(engine("cpu", n), hf, n)[0] + 0.02 for n in WIDTHS]
+        lines.append(f"{arch:24s} test bound            " + "  ".join(f"{b:.3f}" for b in bounds))
+        print(lines[-1], flush=True)
+        for beam in ("cascade", "triton"):
+            for prefill in ("backend", "triton"):
+                worst = []
+                for n in WIDTHS:
+                    w, _ = _worst(engine("cuda", n, beam_attention=beam, prefill_attention=prefill),
+                                  hf, n)  # fmt: skip
+                    worst.append(w)
+                    torch.cuda.empty_cache()
+                flags = ["!" if w >= b else " " for w, b in zip(worst, bounds)]
+                lines.append(
+                    f"{arch:24s} beam {beam:7s} prefill {prefill:7s} "
+                    + "  ".join(f"{w:.3f}{f}" for w, f in zip(worst, flags))
+                )
+                print(lines[-1], flush=True)
+    (out / f"diagnose_prefill_accuracy_{quant}.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -205,8 +205,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--no-prefill-split-kv", action="store_true",
-        help="plan prefill graphs' FlashInfer attention without split-KV: faster for fresh "
-        "prompts, slower for a few new tokens over a cached prefix",
+        help="plan prefill graphs' FlashInfer attention without split-KV (with --prefill-attention "
+        "backend): faster for fresh prompts, slower for a few new tokens over a cached prefix",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(

@@ -65,7 +65,8 @@ class EngineConfig(BaseModel):
     """Let FlashInfer split a prefill graph's attention over the KV (a partial result per split,
     then a merge kernel). False plans each query tile over its whole KV instead: faster for a
     fresh prompt, several times slower for a few new tokens over a cached one (an H100:
-    docs/benchmarks.md, session 19). Only the FlashInfer backend's prefill graphs read it."""
+    docs/benchmarks.md, session 19). Only the FlashInfer backend's prefill graphs read it (with
+    prefill_attention="backend")."""
     max_requests: int = Field(default=1024, gt=0)
     schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new
@@ -143,22 +144,16 @@ def resolve_engine_config(
 
 def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:
     """("triton" | "backend", why). "auto" takes the Triton prefill kernel wherever the beam
-    kernel applies (both take bf16 queries over the pool and the same head dims)."""
+    kernel's conditions hold (both take bf16 queries over the pool and the same head dims): on
+    an H100 it halved a 1,024-token prompt's attention (docs/benchmarks.md, session 20)."""
     if cfg.prefill_attention == "triton" and not cfg.triton_kernels:
         raise ValueError(
             f"--prefill-attention triton needs Triton kernels here: {cfg.triton_reason}"
         )
     if cfg.prefill_attention != "auto":
         return cfg.prefill_attention, "asked for"
-    if cfg.device != "cuda":
-        return "backend", f"auto: device is {cfg.device}"
-    if cfg.dtype != "bfloat16" or cfg.kv_cache_dtype not in ("bfloat16", "fp8_e4m3"):
-        return "backend", (
-            f"auto: the kernel takes bf16 queries and a bf16/FP8 cache, not {cfg.kv_cache_dtype}"
-        )
-    if head_dim > 256 or head_dim & (head_dim - 1):
-        return "backend", f"auto: head_dim {head_dim} is not a power of two <= 256"
-    return ("triton", "auto") if cfg.triton_kernels else ("backend", f"auto: {cfg.triton_reason}")
+    why_not = _attention_kernel_unfit(cfg, head_dim)
+    return ("backend", f"auto: {why_not}") if why_not else ("triton", "auto")
 
 
 def _resolve_beam_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:
@@ -169,17 +164,22 @@ def _resolve_beam_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]
         raise ValueError(f"--beam-attention triton needs Triton kernels here: {cfg.triton_reason}")
     if cfg.beam_attention != "auto":
         return cfg.beam_attention, "asked for"
-    if cfg.device != "cuda":
-        return "cascade", f"auto: device is {cfg.device}"
-    if not cfg.cascade_attention:
+    if cfg.device == "cuda" and not cfg.cascade_attention:
         return "cascade", "auto: cascade_attention=False asks for flat per-beam decode"
+    why_not = _attention_kernel_unfit(cfg, head_dim)
+    return ("cascade", f"auto: {why_not}") if why_not else ("triton", "auto")
+
+
+def _attention_kernel_unfit(cfg: EngineConfig, head_dim: int) -> str | None:
+    """Why the Triton attention kernels (beam and prefill) would not run here, or None: they
+    take bf16 queries over a bf16 or FP8 pool on CUDA, with a power-of-two head_dim <= 256."""
+    if cfg.device != "cuda":
+        return f"device is {cfg.device}"
     if cfg.dtype != "bfloat16" or cfg.kv_cache_dtype not in ("bfloat16", "fp8_e4m3"):
-        return "cascade", (
-            f"auto: the kernel takes bf16 queries and a bf16/FP8 cache, not {cfg.kv_cache_dtype}"
-        )
+        return f"the kernel takes bf16 queries and a bf16/FP8 cache, not {cfg.kv_cache_dtype}"
     if head_dim > 256 or head_dim & (head_dim - 1):
-        return "cascade", f"auto: head_dim {head_dim} is not a power of two <= 256"
-    return ("triton", "auto") if cfg.triton_kernels else ("cascade", f"auto: {cfg.triton_reason}")
+        return f"head_dim {head_dim} is not a power of two <= 256"
+    return None if cfg.triton_kernels else cfg.triton_reason
 
 
 def _resolve_attention_backend(name: str, device: str) -> str:

@@ -83,6 +83,19 @@ def _check_indices(
         _fail(f"max_rows_per_request must be a positive int, got {max_rows_per_request!r}")
 
 
+def attention_output(q: torch.Tensor, out: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """The output buffer of an attention kernel: `out` checked (contiguous bf16 of q's shape, so
+    a CUDA graph can keep it), or a new one."""
+    if out is None:
+        return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    if out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(
+            f"{kernel}: out must be contiguous bf16 {tuple(q.shape)}, got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+    return out
+
+
 def _check_softcap(logit_softcap: float | None) -> None:
     if logit_softcap is not None and not logit_softcap > 0:
         _fail(f"logit_softcap must be None or > 0, got {logit_softcap!r}")
@@ -194,10 +207,7 @@ def beam_cascade_attention(
     )
     _check_softcap(logit_softcap)
     check_triton_device(q, _KERNEL)
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        _fail(f"out must be contiguous bf16 {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out = attention_output(q, out, _KERNEL)
     from .triton_beam_attention import launch_beam_cascade_attention
 
     launch_beam_cascade_attention(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .beam_attention import _check_q_and_caches, _check_softcap
+from .beam_attention import _check_q_and_caches, _check_softcap, attention_output
 from .device import check_triton_device
 
 __all__ = [
@@ -183,10 +183,7 @@ def prefill_attention(
     _check_softcap(logit_softcap)
     _check_window(window)
     check_triton_device(q, _KERNEL)
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        _fail(f"out must be contiguous bf16 {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out = attention_output(q, out, _KERNEL)
     from .triton_prefill_attention import launch_prefill_attention
 
     launch_prefill_attention(

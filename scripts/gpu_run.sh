@@ -75,6 +75,23 @@ ck=/tmp/bench-ckpt  # the bench preset as a real checkpoint directory (e2e, filt
 ensure_checkpoint() {
   [[ -f $ck/config.json ]] || timeout "$(left)" flashrec bench --preset qwen3-1.7b --write-checkpoint "$ck" 2>&1 | tail -2
 }
+# request_ab N:REQUESTS NAME FLAGS_A FLAGS_B TAG_B: one unloaded request's profile at both widths
+# (scripts/profile_request.py), then Engine.generate at width N (flashrec bench --engine), with
+# the engine flags A, then B (B's files carry TAG_B)
+request_ab() {
+  local spec=$1 name=$2 tag flags
+  ensure_checkpoint
+  for tag in "" "$5"; do
+    if [[ -z $tag ]]; then flags=$3; else flags=$4; fi
+    # shellcheck disable=SC2086  # $flags is a list of flags
+    timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" --repeats 10 --tag "$tag" $flags \
+      2>&1 | grep -E "^(## n=|wall|GPU|per request)"
+    # shellcheck disable=SC2086
+    timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flags \
+      --out "$out/${name}_n${spec%:*}$tag.json" 2>&1 | tail -22
+  done
+  gzip -f "$out"/trace_request_*.json
+}
 # wait_ready PORT: until the server there answers /ready (true) or the deadline is 10 s away
 wait_ready() {
   while (( $(remaining) > 10 )); do
@@ -217,18 +234,8 @@ for what in "${@:-tests}"; do
       gzip -f "$out"/trace_request_*.json ;;
     splitkv)  # prefill graphs with FlashInfer's split-KV (default) and without: one request's
       # profile at both widths, then Engine.generate at n=50 (SPLITKV_N="N:REQUESTS"), each A then B
-      ensure_checkpoint
-      for flag in "" --no-prefill-split-kv; do
-        tag=${flag:+_nosplit}
-        # shellcheck disable=SC2086  # $flag is empty or one flag
-        timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" --repeats 10 --tag "$tag" $flag \
-          2>&1 | grep -E "^(## n=|wall|GPU|per request)"
-        spec=${SPLITKV_N:-50:400}
-        # shellcheck disable=SC2086
-        timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
-          --out "$out/splitkv_n${spec%:*}$tag.json" 2>&1 | tail -22
-      done
-      gzip -f "$out"/trace_request_*.json ;;
+      request_ab "${SPLITKV_N:-50:400}" splitkv "--prefill-attention backend" \
+        "--prefill-attention backend --no-prefill-split-kv" _nosplit ;;
     prefillattn)  # the Triton prefill kernel natively against its reference, then alone against
       # FlashInfer's prefill (scripts/bench_prefill_attention.py)
       pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
@@ -239,18 +246,7 @@ for what in "${@:-tests}"; do
         "${ACC_QUANT:-fp8}" 2>&1 | grep -vE "Warning|warn|Writing model" ;;
     prefillab)  # prefills through the Triton prefill kernel (default) and FlashInfer: one request's
       # profile at both widths, then Engine.generate (PREFILLAB_N="N:REQUESTS"), each A then B
-      ensure_checkpoint
-      for flag in "" "--prefill-attention backend"; do
-        tag=${flag:+_backend}
-        # shellcheck disable=SC2086  # $flag is empty or one flag with its value
-        timeout "$(left)" python3 scripts/profile_request.py "$ck" "$out" --repeats 10 --tag "$tag" $flag \
-          2>&1 | grep -E "^(## n=|wall|GPU|per request)"
-        spec=${PREFILLAB_N:-50:400}
-        # shellcheck disable=SC2086
-        timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" $flag \
-          --out "$out/prefillab_n${spec%:*}$tag.json" 2>&1 | tail -22
-      done
-      gzip -f "$out"/trace_request_*.json ;;
+      request_ab "${PREFILLAB_N:-50:400}" prefillab "" "--prefill-attention backend" _backend ;;
     server-profile)  # the engine thread under cProfile while the server takes open-loop load
       ensure_checkpoint
       flashrec serve --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50 --port 8124 \

@@ -130,6 +130,41 @@ def assert_same_ranking(
         )
 
 
+def assert_same_beams_within(
+    a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float], tol: float
+) -> None:
+    """Two searches of one request whose scores differ by noise of at most `tol` (codes ->
+    log-prob of each returned beam): shared SIDs score within tol, and a SID only one of them
+    returned scores below the other's last beam + tol (it lost its place at the cut only to
+    noise). Beams may swap ranks freely within that."""
+    for codes in a.keys() & b.keys():
+        assert abs(a[codes] - b[codes]) < tol, f"{codes}: {a[codes]:.4f} vs {b[codes]:.4f}"
+    for only, cut in (
+        (a.keys() - b.keys(), min(b.values())),
+        (b.keys() - a.keys(), min(a.values())),
+    ):
+        for codes in only:
+            score = a.get(codes, b.get(codes))
+            assert score < cut + tol, f"{codes} ({score:.4f}) lost above the cut {cut:.4f}"
+
+
+def assert_searches_alike(engines: Sequence[Any], tol: float, requests: int, n: int) -> None:
+    """The same `requests` prompts of width n through each engine: every pair of searches as
+    `assert_same_beams_within` allows (engines differing only in a kernel's rounding)."""
+    results = []
+    for engine in engines:
+        reqs = [
+            engine.make_request(prompt=f"user w{i} w{i + 2} item", n=n) for i in range(requests)
+        ]
+        results.append(engine.generate(reqs))
+    for first, other in zip(results[0], results[1]):
+        assert_same_beams_within(
+            {c.codes: c.logprob for c in first.choices},
+            {c.codes: c.logprob for c in other.choices},
+            tol,
+        )
+
+
 @torch.inference_mode()
 def teacher_forced_logprob(
     model: Any, prompt_ids: Sequence[int], layout: SidLayout, codes: Sequence[int],

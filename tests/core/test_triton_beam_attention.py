@@ -19,6 +19,7 @@ from flashrec_core.registry import Registry
 from flashrec_core.spec import AttentionSpec
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+from flashrec_core.testing.hf_beam import assert_searches_alike
 
 pytest.importorskip("triton")
 CPU = torch.device("cpu")
@@ -150,23 +151,10 @@ def test_generate_with_triton_beam_steps_matches_cascade(tmp_path: Path) -> None
         for mode in ("cascade", "triton")
     ]
     assert isinstance(engines[1].runner.attn_backend, TritonBeamAttention)
-    results = []
-    for engine in engines:
-        reqs = [engine.make_request(prompt=f"user w{i} w{i + 2} item", n=6) for i in range(2)]
-        results.append(engine.generate(reqs))
     # The same search over the same weights; attention outputs differ by bf16 rounding only
     # (~1e-2 on a beam's log-prob), so beams may swap ranks, or places at the cut, only when
     # their scores are that close.
-    for a, b in zip(*results):
-        score_a = {c.codes: c.logprob for c in a.choices}
-        score_b = {c.codes: c.logprob for c in b.choices}
-        for codes in score_a.keys() & score_b.keys():
-            assert abs(score_a[codes] - score_b[codes]) < BEAM_TOL, codes
-        for only, cut in ((score_a.keys() - score_b.keys(), min(score_b.values())),
-                          (score_b.keys() - score_a.keys(), min(score_a.values()))):  # fmt: skip
-            for codes in only:
-                lp = score_a.get(codes, score_b.get(codes))
-                assert lp < cut + BEAM_TOL, f"{codes} ({lp:.4f}) lost above the cut {cut:.4f}"
+    assert_searches_alike(engines, BEAM_TOL, requests=2, n=6)
 
 
 def test_triton_beam_steps_need_triton_here(tmp_path: Path) -> None:

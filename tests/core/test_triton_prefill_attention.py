@@ -25,6 +25,7 @@ from flashrec_core.registry import Registry
 from flashrec_core.spec import AttentionSpec
 from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
+from flashrec_core.testing.hf_beam import assert_searches_alike
 
 pytest.importorskip("triton")
 CPU = torch.device("cpu")
@@ -161,20 +162,7 @@ def test_generate_with_triton_prefills_matches_the_backend(tmp_path: Path) -> No
         _tiny_engine(tmp_path, prefill_attention="triton", triton_on_cpu=True),
     ]
     assert isinstance(engines[1].runner.attn_backend, TritonPrefillAttention)
-    results = []
-    for engine in engines:
-        reqs = [engine.make_request(prompt=f"user w{i} w{i + 2} item", n=6) for i in range(3)]
-        results.append(engine.generate(reqs))
-    for a, b in zip(*results):
-        score_a = {c.codes: c.logprob for c in a.choices}
-        score_b = {c.codes: c.logprob for c in b.choices}
-        for codes in score_a.keys() & score_b.keys():
-            assert abs(score_a[codes] - score_b[codes]) < BEAM_TOL, codes
-        for only, cut in ((score_a.keys() - score_b.keys(), min(score_b.values())),
-                          (score_b.keys() - score_a.keys(), min(score_a.values()))):  # fmt: skip
-            for codes in only:
-                lp = score_a.get(codes, score_b.get(codes))
-                assert lp < cut + BEAM_TOL, f"{codes} ({lp:.4f}) lost above the cut {cut:.4f}"
+    assert_searches_alike(engines, BEAM_TOL, requests=3, n=6)
 
 
 def test_triton_prefills_need_triton_here(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ the query tile (as `beam_cascade_attention` does) and skips the keys the causal 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .beam_attention import _check_q_and_caches, _check_softcap, attention_output
@@ -70,23 +71,22 @@ def prefill_tiles(
     most first: under the causal mask the last tile of a long prompt reads all of it and the
     first only its start, and the GPU runs the grid in order, so the long ones start first.
     `capacity` pads the map with (-1, 0) rows (spare programs) to a fixed length."""
-    qo = qo_indptr.tolist()
-    kv = kv_indptr.tolist()
-    work: list[tuple[int, int, int]] = []
-    for b in range(len(qo) - 1):
-        qo_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
-        for start in range(0, qo_len * group, block_m):
-            last = min(qo_len, (start + block_m - 1) // group + 1)  # tokens up to this one
-            work.append((kv_len - qo_len + last, b, start))
-    work.sort(key=lambda w: -w[0])
-    rows = len(work) if capacity is None else capacity
-    if rows < len(work):
-        _fail(f"{len(work)} tiles exceed the tile map's capacity {capacity}")
-    tiles = torch.empty((rows, 2), dtype=_INDEX_DTYPE)
-    tiles[:, 0], tiles[:, 1] = -1, 0
-    if work:
-        tiles[: len(work)] = torch.tensor([(b, s) for _, b, s in work], dtype=_INDEX_DTYPE)
-    return tiles
+    qo = np.asarray(qo_indptr, dtype=np.int64)  # host tensors convert without a copy
+    kv = np.asarray(kv_indptr, dtype=np.int64)
+    qo_len, kv_len = np.diff(qo), np.diff(kv)
+    per_seq = -(-qo_len * group // block_m)  # tiles of each sequence
+    seq = np.repeat(np.arange(qo_len.size), per_seq)
+    first = np.cumsum(per_seq) - per_seq
+    start = (np.arange(seq.size) - np.repeat(first, per_seq)) * block_m
+    last = np.minimum(qo_len[seq], (start + block_m - 1) // group + 1)  # tokens up to this one
+    order = np.argsort(-(kv_len[seq] - qo_len[seq] + last), kind="stable")  # keys read
+    rows = seq.size if capacity is None else capacity
+    if rows < seq.size:
+        _fail(f"{seq.size} tiles exceed the tile map's capacity {capacity}")
+    tiles = np.zeros((rows, 2), dtype=np.int32)
+    tiles[:, 0] = -1
+    tiles[: seq.size, 0], tiles[: seq.size, 1] = seq[order], start[order]
+    return torch.from_numpy(tiles)
 
 
 def check_prefill_attention_args(

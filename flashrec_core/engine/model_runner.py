@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 # re-exported: the step types moved below attention/, engine modules still import them here
@@ -177,21 +178,33 @@ def prepare_prefill(
 ) -> StepInput:
     """A prefill step: each prompt's tokens after its cached prefix (up to `ends[i]`, default
     the whole prompt: a chunked prefill computes a prompt in pieces), attending to all its slots
-    before that end."""
+    before that end. Built in numpy and wrapped once: on the engine thread, before the prefill
+    is launched, `torch.tensor` of a 960-token list took 110 us and each small `torch.cat` 9 us,
+    numpy 32 and 1 us."""
     prefix_lens = prefix_lens or [0] * len(prompts)
     ends = ends or [len(t) for t in prompts]
-    ids, pos, loc, qo, kv = [], [], [], [0], [0]
-    for tokens, s, p, n in zip(prompts, slots, prefix_lens, ends):
-        ids.append(torch.tensor(tokens[p:n], dtype=torch.int64))
-        pos.append(torch.arange(p, n, dtype=torch.int64))
-        loc.append(s[p:n])
-        qo.append(qo[-1] + n - p)
-        kv.append(kv[-1] + n)
+    host = [s.numpy() for s in slots]
+    starts = np.asarray(prefix_lens, dtype=np.int64)
+    stops = np.asarray(ends, dtype=np.int64)
+    qo = np.zeros(len(prompts) + 1, dtype=np.int64)
+    np.cumsum(stops - starts, out=qo[1:])
+    kv = np.zeros(len(prompts) + 1, dtype=np.int64)
+    np.cumsum(stops, out=kv[1:])
+    pairs = list(zip(prompts, host, prefix_lens, ends))
     return StepInput(
-        input_ids=torch.cat(ids),
-        positions=torch.cat(pos),
-        out_cache_loc=torch.cat(loc),
-        qo_indptr=torch.tensor(qo, dtype=torch.int64),
-        kv_indptr=torch.tensor(kv, dtype=torch.int64),
-        kv_indices=torch.cat([s[:n] for s, n in zip(slots, ends)]),
+        input_ids=_tensor(
+            np.concatenate([np.array(t[p:n], dtype=np.int64) for t, _, p, n in pairs])
+        ),
+        positions=_tensor(
+            np.concatenate([np.arange(p, n, dtype=np.int64) for p, n in zip(prefix_lens, ends)])
+        ),
+        out_cache_loc=_tensor(np.concatenate([s[p:n] for _, s, p, n in pairs])),
+        qo_indptr=torch.from_numpy(qo),
+        kv_indptr=torch.from_numpy(kv),
+        kv_indices=_tensor(np.concatenate([s[:n] for s, n in zip(host, ends)])),
     )
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """int64 host tensor over a numpy array (no copy when it is int64 already)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -87,25 +88,31 @@ def prefill_shape(tokens: int, requests: int, buckets: list[int]) -> tuple[int, 
 
 def pad_prefill(step: StepInput, tokens: int, sequences: int) -> StepInput:
     """`step` grown to `tokens` tokens in `sequences` sequences by pad sequences over the pad
-    slot (see the module docstring); the real sequences keep their tokens, rows and indices."""
+    slot (see the module docstring); the real sequences keep their tokens, rows and indices.
+    Built in numpy (host work before the prefill's launch, see `prepare_prefill`)."""
     real_tokens, real = step.input_ids.numel(), step.qo_indptr.numel() - 1
     pads, spare = sequences - real, tokens - real_tokens
     if pads < 1 or spare < pads:
         raise ValueError(
             f"{real} sequences of {real_tokens} tokens do not pad to {sequences} x {tokens}"
         )
-    lens = torch.ones(pads, dtype=torch.int64)
+    lens = np.ones(pads, dtype=np.int64)
     lens[-1] = spare - (pads - 1)
-    ends = torch.cumsum(lens, 0)
-    pad_slots = torch.full((spare,), KVPool.PAD_SLOT, dtype=torch.int64)
-    zeros = torch.zeros(spare, dtype=torch.int64)
+    ends = np.cumsum(lens)
+    pad_slots = np.full(spare, KVPool.PAD_SLOT, dtype=np.int64)
+    zeros = np.zeros(spare, dtype=np.int64)
+
+    def grown(t: torch.Tensor, tail: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([t.numpy(), tail]))
+
+    qo, kv = step.qo_indptr.numpy(), step.kv_indptr.numpy()
     return StepInput(
-        input_ids=torch.cat([step.input_ids, zeros]),
-        positions=torch.cat([step.positions, zeros]),
-        out_cache_loc=torch.cat([step.out_cache_loc, pad_slots]),
-        qo_indptr=torch.cat([step.qo_indptr, step.qo_indptr[-1] + ends]),
-        kv_indptr=torch.cat([step.kv_indptr, step.kv_indptr[-1] + ends]),
-        kv_indices=torch.cat([step.flat_kv_indices(), pad_slots]),
+        input_ids=grown(step.input_ids, zeros),
+        positions=grown(step.positions, zeros),
+        out_cache_loc=grown(step.out_cache_loc, pad_slots),
+        qo_indptr=grown(step.qo_indptr, qo[-1] + ends),
+        kv_indptr=grown(step.kv_indptr, kv[-1] + ends),
+        kv_indices=grown(step.flat_kv_indices(), pad_slots),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +25,7 @@ from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
 from flashrec_core.engine.prefill_graph import PrefillGraphs, prefill_chunk_tokens
 from flashrec_core.engine.requests import GenerationRequest
-from flashrec_core.engine.scheduler import prefill_chunks
+from flashrec_core.engine.scheduler import Piece, prefill_chunks
 from flashrec_core.kvcache.radix import RadixNode
 from flashrec_core.search.beam import (
     BeamLayout,
@@ -79,6 +79,18 @@ class WaveState:
     variant: GraphVariant | None = None  # the graphs of that version (None: the default trie)
     version: CatalogVersion | None = None
     shapes: dict[int, StepShape] = field(default_factory=dict)  # per pad count, see StepShape
+    prefill: PrefillProgress | None = None  # the prefill's forwards still to run (begin)
+
+
+@dataclass
+class PrefillProgress:
+    """A wave's prefill between `prefill_some` calls: the forwards still to run (prompt pieces,
+    engine/scheduler.py `prefill_chunks`) and the hidden states of the last token of each prompt
+    finished so far, in request order (on the device)."""
+
+    prompts: list[list[int]]
+    chunks: deque[list[Piece]]
+    parts: list[torch.Tensor] = field(default_factory=list)
 
 
 class BeamWave:
@@ -166,14 +178,19 @@ class BeamWave:
         finally:
             self.release(state, ok)
 
-    def begin(self, requests: list[GenerationRequest]) -> WaveState:
-        """Allocate the wave's KV, run its prefill and first selection. On any error (a pool
-        too small, say) everything taken so far is handed back before the error propagates."""
+    def begin(
+        self, requests: list[GenerationRequest], token_budget: int | None = None
+    ) -> WaveState:
+        """Allocate the wave's KV and run its prefill, or (`token_budget`) its first forwards of
+        about that many new tokens: `prefill_some` runs the rest. The first selection follows
+        the last forward (`state.level` is then 1). On any error (a pool too small, say)
+        everything taken so far is handed back before the error propagates."""
         state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
         self._bind_catalog(state)
         try:
             self._allocate(state)
-            self._prefill(state)
+            self._start_prefill(state)
+            self.prefill_some(state, token_budget)
         except BaseException:
             self.release(state, False)
             raise
@@ -271,6 +288,7 @@ class BeamWave:
         every beam tensor and their KV slots, table rows and prefix locks are handed back."""
         if all(keep):
             return
+        assert state.prefill is None, "requests leave a wave only between beam steps"
         gone = [i for i, k in enumerate(keep) if not k]
         widths = [r.n for r in state.requests]
         offsets = [0, *itertools.accumulate(widths)]
@@ -305,18 +323,54 @@ class BeamWave:
             kept = [i for i, k in enumerate(keep) if k]
             state.masks = state.masks.select(torch.tensor(kept, device=self.runner.device))
 
-    def _prefill(self, state: WaveState) -> None:
-        device, requests = self.runner.device, state.requests
+    def _start_prefill(self, state: WaveState) -> None:
+        """Plan the wave's prefill forwards: at most `prefill_chunk_tokens` new tokens each
+        (engine/scheduler.py `prefill_chunks`). Activations grow with a forward's tokens: in one
+        forward, 160 prompts of 960 new tokens of the bench preset hold 3.8 GB in the MLP's
+        gate-up output alone. A chunk of up to 16 requests that fits a prefill graph replays
+        it: a 160-request wave is 19 replays, not 19 x 400 launches from Python (which, in a
+        server, compete for the GIL with the HTTP thread)."""
+        requests = state.requests
         if state.index is None and any(r.item_filter is not None for r in requests):
             raise ValueError("item filters need a catalog (--catalog)")
         prompts = [list(r.prompt_ids) for r in requests]
-        # Host slots (state.prompt_slots), not the device table: reading it back would be one
-        # device-to-host sync per request. Every upload is non-blocking for the same reason.
+        lengths = [len(p) for p in prompts]
+        chunks = prefill_chunks(lengths, state.cached_lens, self.prefill_chunk_tokens)
+        state.prefill = PrefillProgress(prompts, deque(chunks))
         self._mark("start")
-        hidden = self._prefill_hidden(prompts, state.prompt_slots, state.cached_lens)
-        # Only the prefill's own inputs go before its launch: everything below is host work
-        # and small uploads that overlap the prefill on the GPU (an unloaded request's GPU sat
-        # idle ~1.4 ms while they ran first: docs/benchmarks.md, session 19).
+
+    def prefill_some(self, state: WaveState, token_budget: int | None = None) -> bool:
+        """Run the wave's next prefill forwards: all of them, or (`token_budget`) as many as
+        fit about that many new tokens, at least one. After the last, the first selection.
+        Whether the prefill is done. The caller releases the state on an error, as `begin`."""
+        progress = state.prefill
+        assert progress is not None, "a wave from begin whose prefill is not done"
+        lengths = [len(p) for p in progress.prompts]
+        spent = 0
+        while progress.chunks and (token_budget is None or spent < token_budget or not spent):
+            chunk = progress.chunks.popleft()
+            reqs = [r for r, _, _ in chunk]
+            # Host slots (state.prompt_slots), not the device table: reading it back would be
+            # one device-to-host sync per request. Every upload is non-blocking likewise.
+            step = prepare_prefill(
+                [progress.prompts[r] for r in reqs], [state.prompt_slots[r] for r in reqs],
+                [start for _, start, _ in chunk], [end for _, _, end in chunk],
+            )  # fmt: skip
+            done = [i for i, (r, _, end) in enumerate(chunk) if end == lengths[r]]
+            progress.parts.append(self._prefill_forward(step, done))
+            spent += sum(end - start for _, start, end in chunk)
+        if progress.chunks:
+            return False
+        parts, state.prefill = progress.parts, None
+        self._first_selection(state, parts[0] if len(parts) == 1 else torch.cat(parts))
+        return True
+
+    def _first_selection(self, state: WaveState, hidden: torch.Tensor) -> None:
+        """Level 0 from the prompts' last hidden states. The prefill's last forward is queued
+        already: the host work here (noise source, filter masks, beam layouts, small uploads)
+        overlaps it on the GPU (an unloaded request's GPU sat idle ~1.4 ms while it ran first:
+        docs/benchmarks.md, session 19)."""
+        device, requests = self.runner.device, state.requests
         state.noise = NoiseSource(requests, device)
         if state.index is not None:
             filters = [r.item_filter for r in requests]
@@ -335,27 +389,6 @@ class BeamWave:
         state.prompts = torch.cat(state.prompt_slots).to(device, non_blocking=True)  # once
         state.level = 1
         self._mark("prefill")
-
-    def _prefill_hidden(
-        self, prompts: list[list[int]], slots: list[torch.Tensor], cached_lens: list[int]
-    ) -> torch.Tensor:
-        """Hidden states of each prompt's last token, in forwards of at most
-        `prefill_chunk_tokens` new tokens (engine/scheduler.py `prefill_chunks`). Activations
-        grow with a forward's tokens: in one forward, 160 prompts of 960 new tokens of the bench
-        preset hold 3.8 GB in the MLP's gate-up output alone. A chunk of up to 16 requests
-        that fits a prefill graph replays it: a 160-request wave is 19 replays, not 19 x 400
-        launches from Python (which, in a server, compete for the GIL with the HTTP thread)."""
-        lengths = [len(p) for p in prompts]
-        parts = []
-        for chunk in prefill_chunks(lengths, cached_lens, self.prefill_chunk_tokens):
-            reqs = [r for r, _, _ in chunk]
-            step = prepare_prefill(
-                [prompts[r] for r in reqs], [slots[r] for r in reqs],
-                [start for _, start, _ in chunk], [end for _, _, end in chunk],
-            )  # fmt: skip
-            done = [i for i, (r, _, end) in enumerate(chunk) if end == lengths[r]]
-            parts.append(self._prefill_forward(step, done))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _prefill_forward(self, step: StepInput, sequences: list[int]) -> torch.Tensor:
         """Hidden states of the last token of the step's `sequences` (those whose prompt ends

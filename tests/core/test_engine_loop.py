@@ -183,15 +183,17 @@ def _prefill_runs_out_of_memory_over(
     requests (what torch raises when a wave is too big for the memory the KV pool left);
     returns the sizes of the prefills that ran."""
     wave, ran = engine.wave, []
-    real = wave._prefill
+    real = wave.prefill_some
 
-    def prefill(state) -> None:
+    def prefill_some(state, token_budget=None) -> bool:
         if len(state.requests) > most:
             raise torch.OutOfMemoryError(f"CUDA out of memory (a prefill of {len(state.requests)})")
-        ran.append(len(state.requests))
-        real(state)
+        done = real(state, token_budget)
+        if done:
+            ran.append(len(state.requests))
+        return done
 
-    monkeypatch.setattr(wave, "_prefill", prefill)
+    monkeypatch.setattr(wave, "prefill_some", prefill_some)
     return ran
 
 

@@ -128,6 +128,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--no-prefill-split-kv", action="store_true",
                      help="with --engine: prefill graphs without split-KV (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="T",
+                     help="with --engine: chunked prefill (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -202,6 +204,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk-tokens", type=int, default=None, metavar="T",
         help="run a prefill as forwards of at most T new tokens each (default: 8184 with "
         "prefill graphs, so chunks replay the largest one; else 32768; 0: one forward)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefill-tokens-per-step", type=int, default=None, metavar="T",
+        help="chunked prefill: while waves are in flight, run about T new prompt tokens of a new "
+        "wave's prefill per loop iteration, the waves in flight stepping between the pieces "
+        "(default: a wave's whole prefill at once)",
     )  # fmt: skip
     p.add_argument(
         "--no-prefill-split-kv", action="store_true",
@@ -285,6 +293,7 @@ _ENGINE_FLAGS = {
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
     "no_prefill_split_kv": "prefill_split_kv", "prefill_attention": "prefill_attention",
+    "prefill_tokens_per_step": "prefill_tokens_per_step",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -516,6 +525,8 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["prefill_split_kv"] = False
     if args.prefill_attention != "auto":
         out["prefill_attention"] = args.prefill_attention
+    if args.prefill_tokens_per_step is not None:
+        out["prefill_tokens_per_step"] = args.prefill_tokens_per_step
     return out
 
 

@@ -72,6 +72,12 @@ class EngineConfig(BaseModel):
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new
     wave's prefill runs between the steps of the waves in flight; "decode_first": once the
     waves in flight have run their last step (engine/loop.py)."""
+    prefill_tokens_per_step: int | None = Field(default=None, gt=0)
+    """Chunked prefill: while waves are in flight, a new wave's prefill runs about this many new
+    prompt tokens per loop iteration (whole forwards of at most `prefill_chunk_tokens`, at least
+    one), so the waves in flight step between its pieces and a beam step waits for one piece of
+    prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
+    measured on a GPU: meant to lower the latency tail under load."""
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""
     max_context: int | None = Field(default=None, gt=0)

@@ -72,6 +72,7 @@ class Engine:
         self.loop = EngineLoop(self.wave, self.decoder, limits)
         """Admits, steps and retires requests; `generate` and the server are its clients."""
         self.loop.schedule = ecfg.schedule
+        self.loop.prefill_tokens_per_step = ecfg.prefill_tokens_per_step
 
     @property
     def catalog(self) -> Catalog | None:

@@ -21,6 +21,13 @@ iteration per distinct n queued before it.
 With `schedule = "decode_first"` step 3 admits only when no wave is in flight: each wave's steps
 run back to back after its prefill, with no other wave's prefill between them.
 
+With `prefill_tokens_per_step` set, step 3 runs only about that many new prompt tokens of the
+admitted wave's prefill (whole prefill forwards, at least one) while other waves are in flight,
+and the rest in the next iterations' step 3, one piece each, before any other wave is admitted:
+the waves in flight step between its pieces, so a beam step waits for one piece of prefill,
+not a whole wave's (chunked prefill). The wave joins the stepping waves after its last piece.
+Its requests leave it (cancel, timeout) only then.
+
 `run_once` is the whole iteration. The background thread (`start`) calls it while there is work;
 without a thread, `Engine.generate` calls it itself until its requests are done: offline and
 online use the same code path.
@@ -98,6 +105,7 @@ class EngineLoop:
         self._queue: deque[RequestHandle] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()  # see `call`
         self._waves: list[_Wave] = []
+        self._prefilling: _Wave | None = None  # a wave whose prefill runs in pieces
         self._finished: list[_Finished] = []  # within one iteration: step -> results
         self._cv = threading.Condition()
         self._drive = threading.Lock()  # one driver of run_once at a time
@@ -114,8 +122,13 @@ class EngineLoop:
         """While waves are in flight, admit only once this many times the last prefill's
         duration has passed since the last admission (the server's setting; 0: every step).
         Interleaved only: a decode-first loop admits with nothing in flight."""
+        self.prefill_tokens_per_step: int | None = None
+        """New prompt tokens of a wave's prefill per iteration while waves are in flight (None:
+        its whole prefill at once; EngineConfig.prefill_tokens_per_step, module docstring)."""
         self._last_admit_at = 0.0
         self._last_prefill_s = 0.0
+        self._admit_started = 0.0  # when the wave prefilling now was admitted
+        self._prefill_spent_s = 0.0  # the iterations of its pieces so far
         self._hit_tokens = 0
         self._retries_kv = 0  # admissions put back: KV slots short
         self._retries_memory = 0  # admissions put back: device memory short
@@ -205,7 +218,7 @@ class EngineLoop:
     def stats(self) -> LoopStats:
         runner = self.wave.runner
         cache = runner.prefix_cache
-        waves = list(self._waves)
+        waves = list(self._waves) + ([self._prefilling] if self._prefilling else [])
         return LoopStats(
             queued=len(self._queue),
             running_requests=sum(len(w.handles) for w in waves),
@@ -231,7 +244,10 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self._waves and not self._finished and not self._tasks
+        return (
+            not self._queue and not self._waves and self._prefilling is None
+            and not self._finished and not self._tasks
+        )  # fmt: skip
 
     # -- the thread -----------------------------------------------------------------------
 
@@ -256,7 +272,8 @@ class EngineLoop:
         end = time.monotonic() + grace_s
         while not self.idle and time.monotonic() < end and self.running:
             time.sleep(0.01)
-        for h in list(self._queue) + [h for w in self._waves for h in w.handles]:
+        waves = self._waves + ([self._prefilling] if self._prefilling else [])
+        for h in list(self._queue) + [h for w in waves for h in w.handles]:
             h.cancel("the engine stopped before the request finished")
         with self._cv:
             self._exit = True
@@ -282,6 +299,11 @@ class EngineLoop:
     def _fail_everything(self, exc: Exception) -> None:
         for wave in list(self._waves):
             self._fail_wave(wave, exc)
+        if self._prefilling is not None:
+            wave, self._prefilling = self._prefilling, None
+            self.wave.release(wave.state, False)
+            for h in wave.handles:
+                h.fail(exc)
 
     # -- one iteration --------------------------------------------------------------------
 
@@ -337,6 +359,9 @@ class EngineLoop:
         return False
 
     def _admit(self, now: float) -> None:
+        if self._prefilling is not None:  # its next piece; no other wave until it is done
+            self._prefill(self._prefilling, now)
+            return
         if self._waves and self.schedule == "decode_first":
             return  # the waves in flight run their remaining steps back to back first
         wait = self.admission_delay_factor * self._last_prefill_s
@@ -348,13 +373,55 @@ class EngineLoop:
         admitted = time.monotonic()  # not `now` (the iteration's start): a request may have
         for h in handles:  # been submitted since, and its queue time would come out negative
             h.admitted_at = admitted
+        budget = self.prefill_tokens_per_step if self._waves else None
+        self._admit_started, self._prefill_spent_s = now, 0.0
         try:
-            state = self.wave.begin([h.request for h in handles])
-        except OutOfSlotsError as exc:
+            state = self.wave.begin([h.request for h in handles], budget)
+        except BaseException as exc:
+            self._prefill_failed(handles, exc)
+            return
+        self._prefilled(_Wave(state, handles), now)
+
+    def _prefill(self, wave: _Wave, now: float) -> None:
+        """The next piece of a wave's prefill (chunked prefill, module docstring); alone, with
+        no wave in flight to step between pieces, all the rest at once."""
+        budget = self.prefill_tokens_per_step if self._waves else None
+        try:
+            self.wave.prefill_some(wave.state, budget)
+        except BaseException as exc:
+            self._prefilling = None
+            self.wave.release(wave.state, False)
+            self._prefill_failed(wave.handles, exc)
+            return
+        self._prefilled(wave, now)
+
+    def _prefilled(self, wave: _Wave, now: float) -> None:
+        """After `begin` or a piece: a wave whose prefill is done joins the stepping waves."""
+        self._prefill_spent_s += time.monotonic() - now
+        state = wave.state
+        if state.prefill is not None:
+            self._prefilling = wave
+            return
+        self._prefilling = None
+        self._admit_cap = None
+        self._waves_admitted += 1
+        self._requests_admitted += len(wave.handles)
+        self._hit_tokens += sum(state.cached_lens)
+        self._last_admit_at, self._last_prefill_s = self._admit_started, self._prefill_spent_s
+        done = time.monotonic()
+        for h in wave.handles:
+            h.prefilled_at = done
+        self._waves.append(wave)
+        if state.level >= self.wave.depth:  # depth-1 SIDs finish at their prefill
+            self._finish(wave)
+
+    def _prefill_failed(self, handles: list[RequestHandle], exc: BaseException) -> None:
+        """A prefill that raised (its KV is handed back already): retry smaller or later, or
+        fail its requests."""
+        if isinstance(exc, OutOfSlotsError):
             self._retries_kv += 1
             self._requeue(handles, exc)
-            return
-        except torch.OutOfMemoryError:  # activations: a smaller wave may fit
+        elif isinstance(exc, torch.OutOfMemoryError):  # activations: a smaller wave may fit
             _release_cached_blocks()
             self._retries_memory += 1
             logger.warning(
@@ -364,24 +431,12 @@ class EngineLoop:
                 max(1, len(handles) // 2),
             )  # fmt: skip
             self._requeue(handles, _too_big_alone(handles[0].request), halve=True)
-            return
-        except Exception as exc:  # a bug or device error: fail these requests, keep serving
-            logger.exception("prefill of %d requests failed", len(handles))
+        elif isinstance(exc, Exception):  # a bug or device error: fail these, keep serving
+            logger.exception("prefill of %d requests failed", len(handles), exc_info=exc)
             for h in handles:
                 h.fail(exc)
-            return
-        self._admit_cap = None
-        self._waves_admitted += 1
-        self._requests_admitted += len(handles)
-        self._hit_tokens += sum(state.cached_lens)
-        done = time.monotonic()
-        self._last_admit_at, self._last_prefill_s = now, done - now
-        for h in handles:
-            h.prefilled_at = done
-        wave = _Wave(state, handles)
-        self._waves.append(wave)
-        if state.level >= self.wave.depth:  # depth-1 SIDs finish at their prefill
-            self._finish(wave)
+        else:
+            raise exc
 
     def _take_wave(self) -> list[RequestHandle]:
         """The oldest queued request and further queued requests of its n and catalog version,

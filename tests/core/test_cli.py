@@ -101,9 +101,12 @@ def test_missing_model_path_is_named(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
-    [((), {"prefill_split_kv": True, "schedule": "interleaved", "cuda_graphs": True}),
-     (("--no-prefill-split-kv", "--schedule", "decode_first", "--no-cuda-graphs"),
-      {"prefill_split_kv": False, "schedule": "decode_first", "cuda_graphs": False})],
+    [((), {"prefill_split_kv": True, "schedule": "interleaved", "cuda_graphs": True,
+           "prefill_attention": "auto", "prefill_tokens_per_step": None}),
+     (("--no-prefill-split-kv", "--schedule", "decode_first", "--no-cuda-graphs",
+       "--prefill-attention", "backend", "--prefill-tokens-per-step", "2048"),
+      {"prefill_split_kv": False, "schedule": "decode_first", "cuda_graphs": False,
+       "prefill_attention": "backend", "prefill_tokens_per_step": 2048})],
 )  # fmt: skip
 def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: dict) -> None:
     from flashrec_core.cli import _bench_engine_settings, _build_parser, engine_fields
@@ -112,11 +115,9 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
     args = _build_parser().parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *flags])
     cfg = EngineConfig(**engine_fields(args))
     assert {k: getattr(cfg, k) for k in expected} == expected
-    # bench --engine takes the schedule and split-KV flags (not --no-cuda-graphs: --no-graphs)
+    # bench --engine takes the other engine flags (not --no-cuda-graphs: --no-graphs)
     bench = [f for f in flags if f != "--no-cuda-graphs"]
     args = _build_parser().parse_args(["bench", "--engine", "/m", *bench])
     cfg = EngineConfig(model_path="/m", **_bench_engine_settings(args))
-    assert (cfg.prefill_split_kv, cfg.schedule) == (
-        expected["prefill_split_kv"],
-        expected["schedule"],
-    )
+    fields = ("prefill_split_kv", "schedule", "prefill_attention", "prefill_tokens_per_step")
+    assert {k: getattr(cfg, k) for k in fields} == {k: expected[k] for k in fields}

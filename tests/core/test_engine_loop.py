@@ -105,6 +105,120 @@ def test_decode_first_admits_once_the_wave_in_flight_has_run_its_last_step(
     assert_idle(engine)
 
 
+LONG_PROMPT = " ".join(f"w{i}" for i in range(4, 30))
+"""More prompt tokens than three prefill pieces of PIECE tokens."""
+PIECE = 4
+
+
+@pytest.fixture(scope="module")
+def chunked(checkpoint: Path) -> Engine:
+    """Chunked prefill: forwards of PIECE tokens, one per iteration beside waves in flight."""
+    return make_engine(checkpoint, prefill_chunk_tokens=PIECE, prefill_tokens_per_step=PIECE)
+
+
+def test_chunked_prefill_steps_the_waves_in_flight_between_its_pieces(
+    chunked: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt admitted beside a wave in flight prefills one piece per iteration while
+    that wave takes its steps; once no wave is left to step, the rest runs at once. Both answer
+    as alone."""
+    loop, budgets = chunked.loop, []
+    real = chunked.wave.prefill_some
+
+    def prefill_some(state, token_budget=None) -> bool:
+        budgets.append(token_budget)
+        return real(state, token_budget)
+
+    first = loop.submit(chunked.make_request(prompt="w1 w2 w3", n=8))
+    loop.run_once()  # admitted alone: its whole prefill at once, now at level 1 of 3
+    assert first.prefilled_at is not None
+    monkeypatch.setattr(chunked.wave, "prefill_some", prefill_some)
+    second = loop.submit(chunked.make_request(prompt=LONG_PROMPT, n=4))
+    assert len(second.request.prompt_ids) > 3 * PIECE
+    loop.run_once()  # first's level 2; second's first piece
+    assert second.admitted_at is not None and second.prefilled_at is None
+    assert loop.stats().running_requests == 2, "a wave prefilling in pieces is running"
+    assert loop.stats().request_slots_used == 2
+    loop.run_once()  # first's last step; nothing left to step: second's rest at once
+    assert first.future.done() and second.prefilled_at is not None
+    assert budgets == [PIECE, None]
+    finish_and_compare(loop, [second], [chunked.generate([second.request])[0]])
+    assert_same_ranking(
+        ranking(first.future.result()), ranking(chunked.generate([first.request])[0]),
+        ATOL_SAME_ENGINE,
+    )  # fmt: skip
+    assert_idle(chunked)
+
+
+def test_chunked_prefill_alone_runs_whole_and_matches_the_unchunked_engine(
+    chunked: Engine, engine: Engine
+) -> None:
+    """With no wave in flight there is nothing to step between pieces: one iteration prefills
+    it all. The pieces are the same forwards either way, so the answers equal an engine
+    without chunked prefill (same prefill forwards of PIECE tokens)."""
+    loop = chunked.loop
+    handle = loop.submit(chunked.make_request(prompt=LONG_PROMPT, n=6))
+    loop.run_once()
+    assert handle.prefilled_at is not None
+    while not handle.future.done():
+        loop.run_once()
+    unchunked = engine.generate([engine.make_request(prompt=LONG_PROMPT, n=6)])[0]
+    assert_same_ranking(ranking(handle.future.result()), ranking(unchunked), 1e-4)
+    assert_idle(chunked)
+
+
+def test_a_request_cancelled_while_its_wave_prefills_in_pieces_is_freed(chunked: Engine) -> None:
+    """Requests leave a wave only between beam steps: a cancel during its prefill takes effect
+    once the prefill is done; then its rows, slots, table row and prefix locks are back."""
+    loop = chunked.loop
+    first = loop.submit(chunked.make_request(prompt="w1 w2 w3", n=8))
+    loop.run_once()
+    second = loop.submit(chunked.make_request(prompt=LONG_PROMPT, n=4))
+    loop.run_once()  # second's first piece
+    second.cancel("the client went away")
+    while not (first.future.done() and second.future.done()):
+        loop.run_once()
+    with pytest.raises(RequestCancelledError, match="the client went away"):
+        second.future.result()
+    assert_idle(chunked)
+
+
+def test_a_piece_out_of_device_memory_hands_the_wave_back_and_retries_smaller(
+    chunked: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later piece of a chunked prefill runs out of memory: the wave's KV goes back and its
+    requests retry as a smaller wave, answering as alone."""
+    loop = chunked.loop
+    first = chunked.make_request(prompt="w1 w2", n=4)
+    fresh = " ".join(f"w{i}" for i in range(30, 56))  # in no earlier test's prefix cache
+    requests = [chunked.make_request(prompt=f"{fresh} w{i}", n=4) for i in range(2)]
+    real, calls = chunked.wave.prefill_some, []
+
+    def prefill_some(state, token_budget=None) -> bool:
+        calls.append(len(state.requests))
+        if len(state.requests) > 1 and len(calls) == 2:  # the second piece of the pair
+            raise torch.OutOfMemoryError("CUDA out of memory (a prefill piece)")
+        return real(state, token_budget)
+
+    handles = [loop.submit(first)]
+    loop.run_once()
+    before = loop.stats().admission_retries_memory
+    monkeypatch.setattr(chunked.wave, "prefill_some", prefill_some)
+    handles += [loop.submit(r) for r in requests]
+    loop.run_once()  # the pair's first piece
+    loop.run_once()  # its second piece: out of memory, the pair goes back to the queue
+    assert loop.stats().admission_retries_memory == before + 1
+    assert loop.stats().running_requests <= 1
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    assert max(calls[2:]) == 1, "the retries took one request each"
+    monkeypatch.undo()
+    for h in handles:  # as alone (their prompts are cached now, as in the other tests)
+        alone = chunked.generate([h.request])[0]
+        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(chunked)
+
+
 def test_an_admission_delay_lets_the_queue_grow_into_one_wave(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -153,6 +153,7 @@ def bench_engine(
         "schedule": ecfg.schedule,
         "prefill_split_kv": ecfg.prefill_split_kv,
         "prefill_attention": ecfg.prefill_attention,
+        "prefill_tokens_per_step": ecfg.prefill_tokens_per_step,
     }
 
 

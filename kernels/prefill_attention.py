@@ -172,13 +172,17 @@ def prefill_attention(
     window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `prefill_attention_ref`; no host syncs, so it captures in a graph.
 
     `tiles` is `prefill_tiles(...)` of the same indptrs and `block_m` (default
     `prefill_block_m(D)`), on q's device; one program per tile and kv head. Tokens no tile
     covers are not written. `out` ([T, Hq, D] bf16, contiguous) lets a graph keep its output
-    buffer. block_m / block_n override the tile shape (tests, benchmarks)."""
+    buffer. block_m / block_n override the tile shape (tests, benchmarks). `num_splits` cuts
+    each tile's keys into that many ranges run in parallel and merged (a power of two up to
+    16); by default it follows from the grid and the GPU's SMs, so a prefill of a few tokens
+    over a long cached prompt still fills the GPU."""
     check_prefill_attention_args(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles)
     _check_softcap(logit_softcap)
     _check_window(window)
@@ -190,5 +194,6 @@ def prefill_attention(
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, sm_scale, out,
         logit_softcap=logit_softcap, window=window,
         block_m=prefill_block_m(q.shape[2]) if block_m is None else block_m, block_n=block_n,
+        num_splits=num_splits,
     )  # fmt: skip
     return out

@@ -8,11 +8,14 @@ first the chunks every row of the tile sees whole (no mask), then the chunks alo
 diagonal (masked); keys after the tile's last token are never read. With a sliding window every
 chunk is masked and the loop starts at the window of the tile's first token.
 
-No split-KV: a prefill's tiles already number (tokens x GROUP / BLOCK_M) x Hkv, 120 programs for
-one 960-token prompt of the bench preset's shape. A few new tokens over a long cached prompt are
-few programs, each walking the whole prompt: on an H200, 16 new tokens over 1,024 cached ones
-took 50 us alone, FlashInfer's split-KV prefill 56 us (both mostly launch time outside a graph).
-Prompts cached to many thousands of tokens would want a split; none is built.
+Split-KV. A prefill's tiles number (tokens x GROUP / BLOCK_M) x Hkv programs, 120 for one
+960-token prompt of the bench preset's shape: enough to fill the GPU. A few new tokens over a long
+cached prompt are a few programs, each walking the whole prompt alone; then (`auto_num_splits`,
+the beam kernel's rule: only while the grid leaves at least half the SMs idle) each tile's keys
+are cut into 2-16 ranges of whole chunks, one program each, writing fp32 partials (accumulator,
+running max and sum) that the beam kernel's `_merge_splits_kernel` combines, each sequence's
+tokens taken as one request's rows. The split count follows from the launch shape alone, so a
+CUDA graph replays the count it captured.
 
 Interpreter: the dot operands are fp32 holding bf16-rounded values, as in the beam kernel
 (triton-lang/triton#11584), and loops over loaded bounds are while loops.
@@ -27,7 +30,14 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .triton_beam_attention import _dot_operand, _scores
+from .triton_beam_attention import (
+    MAX_SPLITS,
+    MERGE_BLOCK_M,
+    _dot_operand,
+    _merge_splits_kernel,
+    _scores,
+    auto_num_splits,
+)
 from .triton_fp8 import cast_for_store
 
 __all__ = ["NUM_STAGES", "NUM_WARPS", "default_block_n", "launch_prefill_attention"]
@@ -86,13 +96,16 @@ def _chunk(
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_idx_ptr, tiles_ptr, o_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
     q_stride_t, q_stride_h, kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h,
-    o_stride_t, o_stride_h, qk_scale, cap_log2, window,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    o_stride_t, o_stride_h, part_stride_split, qk_scale, cap_log2, window,
+    GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tiles_ptr + 2 * tile)
     if seq < 0:
         return  # a spare program of a fixed (graph) grid
@@ -128,6 +141,11 @@ def _prefill_attention_kernel(
     else:
         lo = 0
         full = (first_pos + 1) // BLOCK_N * BLOCK_N  # chunks below it: every row sees them whole
+    if SPLITS > 1:  # this program's share of [lo, hi): whole chunks, the last split the rest
+        per_split = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per_split
+        hi = tl.minimum(lo + per_split, hi)
+        full = tl.maximum(tl.minimum(full, hi), lo)
     if INTERPRET:
         # The interpreter cannot take a loaded scalar as a range() bound (int() of a 1-element
         # array fails under numpy >= 2.4); a while loop only needs its truth value.
@@ -160,9 +178,15 @@ def _prefill_attention_kernel(
                 D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW,
             )  # fmt: skip
 
-    o = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # rows past the sequence: not stored
-    o_ptrs = o_ptr + rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :]
-    tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
+    if SPLITS == 1:
+        o = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # rows past the sequence: not stored
+        o_ptrs = o_ptr + rows[:, None] * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :]
+        tl.store(o_ptrs, cast_for_store(o, o_ptr.dtype.element_ty), mask=mask_m[:, None])
+    else:  # partials [SPLITS, T, HQ(, D)], merged by the beam kernel's merge
+        packed = split * part_stride_split + rows * HQ + heads
+        tl.store(part_m_ptr + packed, m_i, mask=mask_m)
+        tl.store(part_l_ptr + packed, l_i, mask=mask_m)
+        tl.store(part_acc_ptr + packed[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None])
 
 
 def default_block_n(head_dim: int) -> int:
@@ -186,25 +210,50 @@ def launch_prefill_attention(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    num_splits: int | None = None,
 ) -> None:
-    """Launch the (tiles, Hkv) grid; arguments are validated by the public wrapper. block_n
-    defaults to `default_block_n(head_dim)`."""
-    num_tiles = tiles.shape[0]
-    if num_tiles == 0 or q.shape[0] == 0:
+    """Launch the (tiles, Hkv, splits) grid, and the merge when splits > 1; arguments are
+    validated by the public wrapper. block_n defaults to `default_block_n(head_dim)`,
+    num_splits to `auto_num_splits` of the grid (the beam kernel's rule)."""
+    num_tiles, num_tokens = tiles.shape[0], q.shape[0]
+    if num_tiles == 0 or num_tokens == 0:
         return
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = auto_num_splits(num_tiles * num_kv_heads, q.device)
+    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
+        )
+    if num_splits > 1:  # [splits, T, Hq(, D)] fp32; in a graph, memory of the graph's pool
+        part_acc = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), device=q.device)
+        part_m = torch.empty((num_splits, num_tokens, num_q_heads), device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
     if logit_softcap is None:
         qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
     else:
         qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
-    _prefill_attention_kernel[(num_tiles, num_kv_heads)](
+    _prefill_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out,
+        part_acc, part_m, part_l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        qk_scale, cap_log2, 0 if window is None else window,
-        GROUP=num_q_heads // num_kv_heads, D=head_dim, BLOCK_M=block_m,
-        BLOCK_N=default_block_n(head_dim) if block_n is None else block_n,
+        num_tokens * num_q_heads, qk_scale, cap_log2, 0 if window is None else window,
+        GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=block_m,
+        BLOCK_N=default_block_n(head_dim) if block_n is None else block_n, SPLITS=num_splits,
         INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
         WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)
+        num_sequences = qo_indptr.numel() - 1
+        merge_tiles = triton.cdiv(num_tokens * group, MERGE_BLOCK_M)
+        _merge_splits_kernel[(num_sequences, num_kv_heads, merge_tiles)](
+            qo_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+            num_tokens * num_q_heads,
+            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
+            num_warps=4,
+        )  # fmt: skip

@@ -36,6 +36,7 @@ CASES = [
     ("1 fresh x 4096", 4096, 0, 1),
     ("1 x 16 after 1024 cached", 16, 1024, 1),
     ("16 x 16 after 1024 cached", 16, 1024, 16),
+    ("1 x 16 after 8192 cached", 16, 8192, 1),
 ]
 # (block_m, block_n, num_warps, num_stages)
 CONFIGS = [
@@ -64,7 +65,7 @@ def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int, split: boo
     """(us, output) of FlashInfer's prefill as a prefill graph replays it (graph-mode wrappers)."""
     fi = FlashInferAttentionBackend(
         DEV, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.bfloat16,
-        kv_dtype=pool.dtype, max_rows=8192, max_requests=64, max_context=8192,
+        kv_dtype=pool.dtype, max_rows=8192, max_requests=64, max_context=16384,
         prefill_split_kv=split,
     )  # fmt: skip
     meta = fi.plan(step, graph=fi.prefill_graph_attention(prompts, q.shape[0]))
@@ -73,8 +74,11 @@ def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int, split: boo
     return triton.testing.do_bench(run, rep=100) * 1e3, run().float()
 
 
-def _triton_us(step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int]):
-    """(us, output) of the Triton kernel in one launch configuration."""
+def _triton_us(
+    step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int], splits: int | None
+):
+    """(us, output) of the Triton kernel in one launch configuration (`splits` None: the
+    kernel's own choice of split-KV)."""
     bm, bn, warps, stages = config
     tiles = prefill_tiles(step.qo_indptr, step.kv_indptr, HQ // HKV, bm).to(DEV)
     out = torch.empty_like(q)
@@ -82,7 +86,7 @@ def _triton_us(step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int,
         launch_prefill_attention, q, pool.k_cache[0], pool.v_cache[0],
         step.qo_indptr.to(DEV, torch.int32), step.kv_indptr.to(DEV, torch.int32),
         step.kv_indices.to(DEV, torch.int32), tiles, D**-0.5, out, None, None, bm, bn,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, num_splits=splits,
     )  # fmt: skip
     run()
     return triton.testing.do_bench(run, rep=100) * 1e3, out.float()
@@ -101,8 +105,9 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     row["flashinfer_split_us"], ref = _flashinfer_us(step, pool, q, prompts, True)
     row["flashinfer_nosplit_us"], _ = _flashinfer_us(step, pool, q, prompts, False)
     best = None
+    row["triton_default_nosplit_us"], _ = _triton_us(step, pool, q, CONFIGS[0], 1)
     for config in CONFIGS:
-        us, got = _triton_us(step, pool, q, config)
+        us, got = _triton_us(step, pool, q, config, None)
         key = "triton_m{}_n{}_w{}_s{}".format(*config)
         row[key + "_us"], row[key + "_maxdiff"] = us, float((got - ref).abs().max())
         if best is None or us < best[1]:
@@ -121,7 +126,8 @@ def main() -> None:
         print(
             f"{row['case']:28s} FI split {row['flashinfer_split_us']:7.1f} us, no split "
             f"{row['flashinfer_nosplit_us']:7.1f} us | Triton default "
-            f"{row['triton_m128_n128_w8_s2_us']:7.1f} us, best {row['best']} "
+            f"{row['triton_m128_n128_w8_s2_us']:7.1f} us (unsplit "
+            f"{row['triton_default_nosplit_us']:.1f}), best {row['best']} "
             f"{row['best_us']:7.1f} us ({row['best_tflops']:.0f} TFLOP/s), max |diff| "
             f"{row['triton_m128_n128_w8_s2_maxdiff']:.4f}",
             flush=True,

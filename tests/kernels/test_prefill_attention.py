@@ -163,6 +163,31 @@ def test_strided_q_default_tiles_and_spare_programs(device: torch.device) -> Non
     _assert_kernel_matches_ref(out, prefill_attention_ref(*p.ref_args()), p)
 
 
+@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize(
+    "cap, window", [(None, None), (SOFTCAP, 9)], ids=["plain", "softcap-window"]
+)  # fmt: skip
+def test_split_keys_merge_to_the_ref(
+    splits: int, cap: float | None, window: int | None, device: torch.device
+) -> None:
+    """Split-KV: a few new tokens over long cached prompts (several chunks per split), a fresh
+    prompt shorter than a chunk (every split but the first empty) and a window that leaves
+    early splits empty, through spare programs of a fixed-capacity tile map."""
+    p = _make_prefill([3, 2, 20], [150, 0, 40], 4, 2, 16, FP8_DTYPE, device, seed=9)
+    out = prefill_attention(
+        *p.kernel_args(p.tiles(capacity=12)), logit_softcap=cap, window=window,
+        block_m=BLOCK_M, block_n=BLOCK_N, num_splits=splits,
+    )  # fmt: skip
+    ref = prefill_attention_ref(*p.ref_args(), logit_softcap=cap, window=window)
+    _assert_kernel_matches_ref(out, ref, p)
+
+
+def test_split_count_is_a_power_of_two(device: torch.device) -> None:
+    p = _make_prefill([3], [5], 2, 1, 16, torch.bfloat16, device)
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        prefill_attention(*p.kernel_args(p.tiles()), num_splits=3)
+
+
 def test_out_buffer_is_reused_and_tokens_of_no_sequence_untouched(device: torch.device) -> None:
     p = _make_prefill([6, 5, 4], [2, 0, 9], 2, 1, 32, torch.bfloat16, device, seed=4)
     p = p._replace(qo_indptr=p.qo_indptr[:3], kv_indptr=p.kv_indptr[:3])  # the last is a pad

@@ -55,11 +55,13 @@ with compiled_launches(90) as done:
         torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
         logit_softcap=50.0)
     ptr = torch.tensor([0, T], dtype=i32)
-    for d, softcap, window in ((D, None, None), (D, 50.0, 64), (256, None, None)):
+    for d, softcap, window, splits in ((D, None, None, 1), (D, 50.0, 64, 1), (256, None, None, 1),
+                                       (D, None, None, 4)):
         qd, cd = torch.zeros(T, HQ, d, dtype=bf16), torch.zeros(64, HKV, d, dtype=fp8)
         triton_prefill_attention.launch_prefill_attention(
             qd, cd, cd.clone(), ptr, ptr, torch.zeros(T, dtype=i32), torch.zeros(2, 2, dtype=i32),
-            0.088, torch.zeros(T, HQ, d, dtype=bf16), softcap, window, 128 if d <= 128 else 64)
+            0.088, torch.zeros(T, HQ, d, dtype=bf16), softcap, window, 128 if d <= 128 else 64,
+            num_splits=splits)
 names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in

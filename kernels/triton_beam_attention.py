@@ -34,7 +34,7 @@ from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
-    "auto_num_splits", "launch_beam_cascade_attention",
+    "auto_num_splits", "launch_beam_cascade_attention", "score_scales", "split_partials",
 ]  # fmt: skip
 
 # Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
@@ -252,6 +252,33 @@ def auto_num_splits(programs: int, device: torch.device) -> int:
     return 1 if spare < 2 else min(MAX_SPLITS, 1 << (spare.bit_length() - 1))
 
 
+def split_partials(
+    num_splits: int, q: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fp32 partials (accumulator [splits, R, Hq, D], running max and sum [splits, R, Hq])
+    of a launch of `num_splits` splits over q's rows, for `_merge_splits_kernel`; in a graph,
+    memory of the graph's pool. One split needs none: `out` stands in, unused. Raises on a
+    count that is not a power of two up to MAX_SPLITS."""
+    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(
+            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
+        )
+    if num_splits == 1:
+        return out, out, out
+    rows, heads, head_dim = q.shape
+    part_m = torch.empty((num_splits, rows, heads), device=q.device)
+    acc = torch.empty((num_splits, rows, heads, head_dim), device=q.device)
+    return acc, part_m, torch.empty_like(part_m)
+
+
+def score_scales(sm_scale: float, logit_softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap_log2) of `_scores`: log2(e) folded into the scale, or with a soft-cap,
+    sm_scale / cap and cap * log2(e)."""
+    if logit_softcap is None:
+        return sm_scale * _LOG2E, 0.0
+    return sm_scale / logit_softcap, logit_softcap * _LOG2E
+
+
 def launch_beam_cascade_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -285,20 +312,8 @@ def launch_beam_cascade_attention(
     num_requests = row_indptr.numel() - 1
     if num_splits is None:
         num_splits = auto_num_splits(num_requests * num_kv_heads * num_tiles, q.device)
-    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
-        raise ValueError(
-            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
-        )
-    if num_splits > 1:  # [splits, R, Hq(, D)] fp32; in a graph, memory of the graph's pool
-        part_acc = torch.empty((num_splits, num_rows, num_q_heads, head_dim), device=q.device)
-        part_m = torch.empty((num_splits, num_rows, num_q_heads), device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
-    if logit_softcap is None:
-        qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
-    else:
-        qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
+    part_acc, part_m, part_l = split_partials(num_splits, q, out)
+    qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     grid = (num_requests, num_kv_heads, num_tiles * num_splits)
     _beam_cascade_attention_kernel[grid](
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, out,

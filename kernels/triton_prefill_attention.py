@@ -23,20 +23,19 @@ Interpreter: the dot operands are fp32 holding bf16-rounded values, as in the be
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .device import triton_interpreting
 from .triton_beam_attention import (
-    MAX_SPLITS,
     MERGE_BLOCK_M,
     _dot_operand,
     _merge_splits_kernel,
     _scores,
     auto_num_splits,
+    score_scales,
+    split_partials,
 )
 from .triton_fp8 import cast_for_store
 
@@ -50,7 +49,6 @@ NUM_STAGES = 2
 # against 60 us with 64-key chunks) and within 6% of the best elsewhere. Every configuration
 # spills some registers for sm_90 (400-1,200 bytes a thread by ptxas); the measured time is
 # what decided. head_dim 256 (unmeasured) takes 64-key chunks at 8 warps: 4 warps spilled 8 KB.
-_LOG2E = math.log2(math.e)
 _M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
 
 
@@ -223,20 +221,8 @@ def launch_prefill_attention(
     group = num_q_heads // num_kv_heads
     if num_splits is None:
         num_splits = auto_num_splits(num_tiles * num_kv_heads, q.device)
-    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
-        raise ValueError(
-            f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
-        )
-    if num_splits > 1:  # [splits, T, Hq(, D)] fp32; in a graph, memory of the graph's pool
-        part_acc = torch.empty((num_splits, num_tokens, num_q_heads, head_dim), device=q.device)
-        part_m = torch.empty((num_splits, num_tokens, num_q_heads), device=q.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
-    if logit_softcap is None:
-        qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
-    else:
-        qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
+    part_acc, part_m, part_l = split_partials(num_splits, q, out)
+    qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     _prefill_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, out,
         part_acc, part_m, part_l,

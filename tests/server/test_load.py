@@ -67,6 +67,32 @@ def test_300_concurrent_requests_equal_the_same_requests_alone(server: ServerPro
     assert hits > 0, "repeated prompts are served from the prefix cache"
 
 
+def test_chunked_prefill_under_load_answers_as_alone(checkpoint: Path) -> None:
+    """`--prefill-tokens-per-step`: waves admitted beside others prefill in 8-token pieces
+    while those step; under concurrent load every answer equals the same request served alone
+    and everything returns to idle."""
+    rng = random.Random(11)
+    distinct = [
+        _body("user history " + " ".join(rng.choices(WORDS, k=rng.randint(12, 40))), n)
+        for n in (2, 8, 24) for _ in range(5)
+    ]  # fmt: skip
+    # waves of at most 48 beam rows, so a burst of 16 is several waves, admitted beside others
+    args = server_args(checkpoint, "--prefill-chunk-tokens", "8", "--prefill-tokens-per-step", "8",
+                       "--max-wave-rows", "48")  # fmt: skip
+    with ServerProcess(args) as server:
+        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
+            alone = [c.post("/v1/chat/completions", json=b).json() for b in distinct]
+        picks = [rng.randrange(len(distinct)) for _ in range(60)]
+        answers = asyncio.run(_send_all(server.url, [distinct[i] for i in picks], concurrency=16))
+        assert [r.status_code for r in answers] == [200] * 60, {r.status_code for r in answers}
+        for i, r in zip(picks, answers):
+            assert_same_ranking(
+                _ranked(r.json()), _ranked(alone[i]), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE
+            )
+        assert_idle(server)
+        assert read_metrics(server.url)["flashrec_invalid_results_total"] == 0
+
+
 @pytest.fixture
 def busy_server(checkpoint: Path):
     """A server whose waves hold 64 beam rows, so a burst of n=32 requests queues for a while."""

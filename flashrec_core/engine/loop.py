@@ -135,6 +135,7 @@ class EngineLoop:
         self._invalid = 0
         self._iterations = 0
         self._waves_admitted = 0
+        self._prefill_pieces = 0
         self._requests_admitted = 0
         self._busy_s = 0.0
         self._cpu_s = 0.0
@@ -234,6 +235,7 @@ class EngineLoop:
             iterations=self._iterations,
             waves_admitted=self._waves_admitted,
             requests_admitted=self._requests_admitted,
+            prefill_pieces=self._prefill_pieces,
             busy_seconds=self._busy_s,
             cpu_seconds=self._cpu_s,
             kv_slots_used=self._kv_used(),
@@ -386,6 +388,7 @@ class EngineLoop:
         """The next piece of a wave's prefill (chunked prefill, module docstring); alone, with
         no wave in flight to step between pieces, all the rest at once."""
         budget = self.prefill_tokens_per_step if self._waves else None
+        self._prefill_pieces += 1
         try:
             self.wave.prefill_some(wave.state, budget)
         except BaseException as exc:

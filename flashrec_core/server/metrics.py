@@ -69,6 +69,11 @@ class _EngineCollector(Collector):
             "engine_iterations": ("engine loop iterations", s.iterations),
             "engine_waves_admitted": ("waves admitted (one prefill each)", s.waves_admitted),
             "engine_requests_admitted": ("requests admitted into waves", s.requests_admitted),
+            "engine_prefill_pieces": (
+                "chunked prefill (--prefill-tokens-per-step): prefill pieces run in an iteration "
+                "after their wave's admission, the waves in flight stepping in between",
+                s.prefill_pieces,
+            ),
             "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),
             "engine_cpu_seconds": (
                 "engine-thread CPU seconds inside iterations (busy less this: waiting for the "

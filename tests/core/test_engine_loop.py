@@ -142,6 +142,7 @@ def test_chunked_prefill_steps_the_waves_in_flight_between_its_pieces(
     loop.run_once()  # first's last step; nothing left to step: second's rest at once
     assert first.future.done() and second.prefilled_at is not None
     assert budgets == [PIECE, None]
+    assert loop.stats().prefill_pieces == 1, "the rest ran in one later piece"
     finish_and_compare(loop, [second], [chunked.generate([second.request])[0]])
     assert_same_ranking(
         ranking(first.future.result()), ranking(chunked.generate([first.request])[0]),

@@ -80,17 +80,20 @@ def test_chunked_prefill_under_load_answers_as_alone(checkpoint: Path) -> None:
     args = server_args(checkpoint, "--prefill-chunk-tokens", "8", "--prefill-tokens-per-step", "8",
                        "--max-wave-rows", "48")  # fmt: skip
     with ServerProcess(args) as server:
-        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
-            alone = [c.post("/v1/chat/completions", json=b).json() for b in distinct]
+        # the load first, so its prompts are not in the prefix cache yet and prefill in pieces
         picks = [rng.randrange(len(distinct)) for _ in range(60)]
         answers = asyncio.run(_send_all(server.url, [distinct[i] for i in picks], concurrency=16))
         assert [r.status_code for r in answers] == [200] * 60, {r.status_code for r in answers}
+        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
+            alone = [c.post("/v1/chat/completions", json=b).json() for b in distinct]
         for i, r in zip(picks, answers):
             assert_same_ranking(
                 _ranked(r.json()), _ranked(alone[i]), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE
             )
         assert_idle(server)
-        assert read_metrics(server.url)["flashrec_invalid_results_total"] == 0
+        metrics = read_metrics(server.url)
+        assert metrics["flashrec_invalid_results_total"] == 0
+        assert metrics["flashrec_engine_prefill_pieces_total"] > 0, "no prefill ran in pieces"
 
 
 @pytest.fixture

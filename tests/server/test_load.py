@@ -40,6 +40,15 @@ async def _send_all(url: str, bodies: list[dict], concurrency: int) -> list[http
         return await asyncio.gather(*(one(b) for b in bodies))
 
 
+def _assert_answers_as_alone(answers: list[httpx.Response], alone: list[dict]) -> None:
+    """Every answer under load is a 200 that ranks like the same request served alone."""
+    assert [r.status_code for r in answers] == [200] * len(answers), {
+        r.status_code for r in answers
+    }
+    for r, ref in zip(answers, alone):
+        assert_same_ranking(_ranked(r.json()), _ranked(ref), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
+
+
 def test_300_concurrent_requests_equal_the_same_requests_alone(server: ServerProcess) -> None:
     rng = random.Random(5)
     # 40 distinct requests (prompts share prefixes, so the prefix cache is exercised), mixed n
@@ -52,11 +61,7 @@ def test_300_concurrent_requests_equal_the_same_requests_alone(server: ServerPro
     picks = [rng.randrange(len(distinct)) for _ in range(300)]
     before = read_metrics(server.url)
     answers = asyncio.run(_send_all(server.url, [distinct[i] for i in picks], concurrency=32))
-    assert [r.status_code for r in answers] == [200] * 300, {r.status_code for r in answers}
-    for i, r in zip(picks, answers):
-        assert_same_ranking(
-            _ranked(r.json()), _ranked(alone[i]), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE
-        )
+    _assert_answers_as_alone(answers, [alone[i] for i in picks])
     assert_idle(server)
     after = read_metrics(server.url)
     assert after["flashrec_invalid_results_total"] == 0
@@ -83,13 +88,9 @@ def test_chunked_prefill_under_load_answers_as_alone(checkpoint: Path) -> None:
         # the load first, so its prompts are not in the prefix cache yet and prefill in pieces
         picks = [rng.randrange(len(distinct)) for _ in range(60)]
         answers = asyncio.run(_send_all(server.url, [distinct[i] for i in picks], concurrency=16))
-        assert [r.status_code for r in answers] == [200] * 60, {r.status_code for r in answers}
         with httpx.Client(base_url=server.url, headers=HEADERS, timeout=60) as c:
             alone = [c.post("/v1/chat/completions", json=b).json() for b in distinct]
-        for i, r in zip(picks, answers):
-            assert_same_ranking(
-                _ranked(r.json()), _ranked(alone[i]), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE
-            )
+        _assert_answers_as_alone(answers, [alone[i] for i in picks])
         assert_idle(server)
         metrics = read_metrics(server.url)
         assert metrics["flashrec_invalid_results_total"] == 0

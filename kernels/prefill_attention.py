@@ -96,9 +96,10 @@ def check_prefill_attention_args(
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
-    tiles: torch.Tensor,
+    tiles: torch.Tensor | None = None,
 ) -> None:
-    """Validate shapes and dtypes only (no device reads, so it is safe inside a CUDA graph)."""
+    """Validate shapes and dtypes only (no device reads, so it is safe inside a CUDA graph);
+    `tiles` too when given (the kernel's, not the reference's)."""
     _check_q_and_caches(q, k_cache, v_cache)
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
         if t.dim() != 1 or t.numel() < 2 or t.dtype != _INDEX_DTYPE:
@@ -107,7 +108,9 @@ def check_prefill_attention_args(
         _fail(f"qo_indptr {tuple(qo_indptr.shape)} and kv_indptr {tuple(kv_indptr.shape)} differ")
     if kv_indices.dim() != 1 or kv_indices.dtype != _INDEX_DTYPE:
         _fail(f"kv_indices must be int32 [N], got {kv_indices.dtype} {tuple(kv_indices.shape)}")
-    if tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.dtype != _INDEX_DTYPE:
+    if tiles is not None and (
+        tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.dtype != _INDEX_DTYPE
+    ):
         _fail(f"tiles must be int32 [N, 2] (from prefill_tiles), got {tiles.dtype} {tiles.shape}")
 
 
@@ -129,8 +132,7 @@ def prefill_attention_ref(
 ) -> torch.Tensor:
     """Torch reference (fp32 math, a host loop over sequences): o [T, Hq, D] bf16; tokens outside
     [qo_indptr[0], qo_indptr[B]) are zero."""
-    empty_tiles = torch.empty((0, 2), dtype=_INDEX_DTYPE)
-    check_prefill_attention_args(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, empty_tiles)
+    check_prefill_attention_args(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
     _check_softcap(logit_softcap)
     _check_window(window)
     group = q.shape[1] // k_cache.shape[1]

@@ -89,6 +89,7 @@ class PrefillProgress:
     finished so far, in request order (on the device)."""
 
     prompts: list[list[int]]
+    lengths: list[int]
     chunks: deque[list[Piece]]
     parts: list[torch.Tensor] = field(default_factory=list)
 
@@ -336,7 +337,7 @@ class BeamWave:
         prompts = [list(r.prompt_ids) for r in requests]
         lengths = [len(p) for p in prompts]
         chunks = prefill_chunks(lengths, state.cached_lens, self.prefill_chunk_tokens)
-        state.prefill = PrefillProgress(prompts, deque(chunks))
+        state.prefill = PrefillProgress(prompts, lengths, deque(chunks))
         self._mark("start")
 
     def prefill_some(self, state: WaveState, token_budget: int | None = None) -> bool:
@@ -345,7 +346,6 @@ class BeamWave:
         Whether the prefill is done. The caller releases the state on an error, as `begin`."""
         progress = state.prefill
         assert progress is not None, "a wave from begin whose prefill is not done"
-        lengths = [len(p) for p in progress.prompts]
         spent = 0
         while progress.chunks and (token_budget is None or spent < token_budget or not spent):
             chunk = progress.chunks.popleft()
@@ -356,7 +356,7 @@ class BeamWave:
                 [progress.prompts[r] for r in reqs], [state.prompt_slots[r] for r in reqs],
                 [start for _, start, _ in chunk], [end for _, _, end in chunk],
             )  # fmt: skip
-            done = [i for i, (r, _, end) in enumerate(chunk) if end == lengths[r]]
+            done = [i for i, (r, _, end) in enumerate(chunk) if end == progress.lengths[r]]
             progress.parts.append(self._prefill_forward(step, done))
             spent += sum(end - start for _, start, end in chunk)
         if progress.chunks:

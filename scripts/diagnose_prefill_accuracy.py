@@ -3,7 +3,9 @@ beam-search parity test, tests/gpu/test_gpu_engine.py, with both prefill paths s
 
 For every architecture, the test's tiny checkpoint, prompt and catalogs: the worst |engine
 log-prob - fp32 transformers log-prob| over the returned beams, per n, beam-step attention and
-prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02).
+prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02), and
+after a slash the same bound measured like for like: the CPU torch path scoring exactly the GPU's
+beams (a catalog of those SIDs, searched at width n, returns every one of them).
 Usage: python scripts/diagnose_prefill_accuracy.py [OUT_DIR] [--quantization fp8|none]
 """
 
@@ -61,17 +63,19 @@ def main() -> None:
         print(lines[-1], flush=True)
         for beam in ("cascade", "triton"):
             for prefill in ("backend", "triton"):
-                worst = []
+                cells = []
                 for n in WIDTHS:
-                    w, _ = _worst(engine("cuda", n, beam_attention=beam, prefill_attention=prefill),
-                                  hf, n)  # fmt: skip
-                    worst.append(w)
+                    w, errors = _worst(
+                        engine("cuda", n, beam_attention=beam, prefill_attention=prefill), hf, n
+                    )
                     torch.cuda.empty_cache()
-                flags = ["!" if w >= b else " " for w, b in zip(worst, bounds)]
-                lines.append(
-                    f"{arch:24s} beam {beam:7s} prefill {prefill:7s} "
-                    + "  ".join(f"{w:.3f}{f}" for w, f in zip(worst, flags))
-                )
+                    same = write_catalog(path / f"same{n}.json", sorted(errors))
+                    alike = 2 * _worst(engine("cpu", n, catalogs={n: same}), hf, n)[0] + 0.02
+                    flag = ("!" if w >= bounds[WIDTHS.index(n)] else " ") + (
+                        "!" if w >= alike else " "
+                    )
+                    cells.append(f"{w:.3f}{flag}/{alike:.3f}")
+                lines.append(f"{arch:24s} beam {beam:7s} prefill {prefill:7s} " + "  ".join(cells))
                 print(lines[-1], flush=True)
     (out / f"diagnose_prefill_accuracy_{quant}.txt").write_text("\n".join(lines) + "\n")
 

@@ -199,12 +199,16 @@ for what in "${@:-tests}"; do
         done
       fi
       [[ $what == e2e-engine ]] && continue
-      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"; SERVE_AB: a second
-      # list of flags, served and loaded after the first (file suffix _b)
+      # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"; SERVE_AB: more lists
+      # of flags separated by ';', each served and loaded after the first (file suffixes _b, _c, ...)
       # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
       serve_bench "" ${SERVE_ARGS:-}
-      # shellcheck disable=SC2086
-      [[ -n ${SERVE_AB:-} ]] && serve_bench _b ${SERVE_AB} ;;
+      IFS=';' read -ra variants <<< "${SERVE_AB:-}"
+      tags=(_b _c _d _e)
+      for i in "${!variants[@]}"; do
+        # shellcheck disable=SC2086
+        serve_bench "${tags[$i]}" ${variants[$i]}
+      done ;;
     server-ab)  # the server twice: admission every step (default), then --admission-delay-factor 1
       ensure_checkpoint
       serve_bench ""

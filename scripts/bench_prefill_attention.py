@@ -5,7 +5,7 @@ Shape: the bench preset's attention (16 q / 8 kv heads, head_dim 128), FP8 KV ov
 Each case is one prefill step: fresh prompts, prompts after a cached prefix, and a few new tokens
 over a long cached prompt. Timed with `triton.testing.do_bench` (CUDA events); every Triton
 configuration's output is checked against FlashInfer's before it is timed. Usage (on the GPU):
-    python scripts/bench_prefill_attention.py [OUT_DIR]
+    python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def _triton_us(
     return triton.testing.do_bench(run, rep=100) * 1e3, out.float()
 
 
+def _label(*what: object) -> None:
+    """What runs next, printed before it runs: a kernel fault surfaces at the next sync, so the
+    last label names the launch that faulted."""
+    print("  running", *what, flush=True)
+
+
 def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     slots = prompts * (new + cached) + 1024
     step = _case(new, cached, prompts, slots)
@@ -102,11 +108,15 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
     flops = _flops(new, cached, prompts)
     row = {"case": name, "tokens": q.shape[0], "gflop": flops / 1e9}
+    _label(name, "FlashInfer split")
     row["flashinfer_split_us"], ref = _flashinfer_us(step, pool, q, prompts, True)
+    _label(name, "FlashInfer no split")
     row["flashinfer_nosplit_us"], _ = _flashinfer_us(step, pool, q, prompts, False)
     best = None
+    _label(name, "Triton default, one split")
     row["triton_default_nosplit_us"], _ = _triton_us(step, pool, q, CONFIGS[0], 1)
     for config in CONFIGS:
+        _label(name, "Triton", config)
         us, got = _triton_us(step, pool, q, config, None)
         key = "triton_m{}_n{}_w{}_s{}".format(*config)
         row[key + "_us"], row[key + "_maxdiff"] = us, float((got - ref).abs().max())
@@ -119,8 +129,9 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    only = sys.argv[2] if len(sys.argv) > 2 else ""  # a substring of the case names to run
     rows = []
-    for case in CASES:
+    for case in (c for c in CASES if only in c[0]):
         row = _bench_case(*case)
         rows.append(row)
         print(

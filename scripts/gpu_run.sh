@@ -243,7 +243,9 @@ for what in "${@:-tests}"; do
     prefillattn)  # the Triton prefill kernel natively against its reference, then alone against
       # FlashInfer's prefill (scripts/bench_prefill_attention.py)
       pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
-      timeout "$(left)" python3 scripts/bench_prefill_attention.py "$out" 2>&1 | tail -12 ;;
+      # PREFILL_CASES: a substring of the case names to run (default all)
+      timeout "$(left)" python3 scripts/bench_prefill_attention.py "$out" "${PREFILL_CASES:-}" 2>&1 \
+        | tee "$out/bench_prefill_attention.log" | grep -v "^  running" | tail -12 ;;
     prefillacc)  # beam scores vs fp32 transformers with the Triton and FlashInfer prefills, every
       # architecture (scripts/diagnose_prefill_accuracy.py; ACC_QUANT=none for BF16 weights)
       timeout "$(left)" python3 scripts/diagnose_prefill_accuracy.py "$out" "--quantization" \

@@ -346,6 +346,21 @@ class BeamWave:
         Whether the prefill is done. The caller releases the state on an error, as `begin`."""
         progress = state.prefill
         assert progress is not None, "a wave from begin whose prefill is not done"
+        if not self.prefill_forwards(progress, state.prompt_slots, token_budget):
+            return False
+        parts, state.prefill = progress.parts, None
+        self._first_selection(state, parts[0] if len(parts) == 1 else torch.cat(parts))
+        return True
+
+    def prefill_forwards(
+        self,
+        progress: PrefillProgress,
+        prompt_slots: list[torch.Tensor],
+        token_budget: int | None = None,
+    ) -> bool:
+        """Run `progress`'s next forwards (all, or about `token_budget` new tokens, at least
+        one) over each prompt's KV slots; whether none is left. The last-token hidden states
+        collect in `progress.parts`."""
         spent = 0
         while progress.chunks and (token_budget is None or spent < token_budget or not spent):
             chunk = progress.chunks.popleft()
@@ -353,17 +368,13 @@ class BeamWave:
             # Host slots (state.prompt_slots), not the device table: reading it back would be
             # one device-to-host sync per request. Every upload is non-blocking likewise.
             step = prepare_prefill(
-                [progress.prompts[r] for r in reqs], [state.prompt_slots[r] for r in reqs],
+                [progress.prompts[r] for r in reqs], [prompt_slots[r] for r in reqs],
                 [start for _, start, _ in chunk], [end for _, _, end in chunk],
             )  # fmt: skip
             done = [i for i, (r, _, end) in enumerate(chunk) if end == progress.lengths[r]]
             progress.parts.append(self._prefill_forward(step, done))
             spent += sum(end - start for _, start, end in chunk)
-        if progress.chunks:
-            return False
-        parts, state.prefill = progress.parts, None
-        self._first_selection(state, parts[0] if len(parts) == 1 else torch.cat(parts))
-        return True
+        return not progress.chunks
 
     def _first_selection(self, state: WaveState, hidden: torch.Tensor) -> None:
         """Level 0 from the prompts' last hidden states. The prefill's last forward is queued

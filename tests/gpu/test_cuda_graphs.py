@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import nullcontext
 
 import pytest
 import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
-from flashrec_core.engine.beam_wave import prepare_beam_decode
+from flashrec_core.engine.beam_wave import PrefillProgress, prepare_beam_decode
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.engine.prefill_graph import prefill_shape
+from flashrec_core.engine.scheduler import prefill_chunks
 from flashrec_core.registry import Registry
 from flashrec_core.search.beam import BeamLayout
 from flashrec_core.search.filters import FilterMasks
@@ -124,17 +126,19 @@ def test_a_chunked_prefill_replays_graphs_and_matches_one_forward(engine: Engine
     vocab = runner.config.vocab_size
     prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (37, 90, 12, 64)]
     slots = [runner.allocator.alloc(len(p)) for p in prompts]
-    chunk, replays = wave.prefill_chunk_tokens, prefill.stats.replays
+    replays = prefill.stats.replays
     try:
-        wave.prefill_chunk_tokens = 50
-        chunked = wave._prefill_hidden(prompts, slots, [0] * len(prompts))
+        lengths = [len(p) for p in prompts]
+        pieces = deque(prefill_chunks(lengths, [0] * len(prompts), 50))
+        progress = PrefillProgress(prompts, lengths, pieces)
+        assert wave.prefill_forwards(progress, slots)
+        chunked = torch.cat(progress.parts)
         assert prefill.stats.replays - replays == 5, "203 tokens: five forwards, all replays"
         step = prepare_prefill(prompts, slots)
         whole = runner.forward(step)[(step.qo_indptr[1:] - 1).to(runner.device)]
         assert chunked.shape == whole.shape
         assert (chunked.float() - whole.float()).abs().max() < 0.05 * whole.abs().max()
     finally:
-        wave.prefill_chunk_tokens = chunk
         for s in slots:
             runner.allocator.free(s)
 

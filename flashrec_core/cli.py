@@ -126,8 +126,6 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: each request allows only this many random items")  # fmt: skip
     e2e.add_argument("--schedule", choices=_SCHEDULES, default=None,
                      help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
-    e2e.add_argument("--no-prefill-split-kv", action="store_true",
-                     help="with --engine: prefill graphs without split-KV (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="T",
                      help="with --engine: chunked prefill (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
@@ -211,11 +209,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "wave's prefill per loop iteration, the waves in flight stepping between the pieces "
         "(default: a wave's whole prefill at once)",
     )  # fmt: skip
-    p.add_argument(
-        "--no-prefill-split-kv", action="store_true",
-        help="plan prefill graphs' FlashInfer attention without split-KV (with --prefill-attention "
-        "backend): faster for fresh prompts, slower for a few new tokens over a cached prefix",
-    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -292,7 +285,7 @@ _ENGINE_FLAGS = {
     "no_prefix_cache": "prefix_cache", "no_cascade": "cascade_attention",
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
-    "no_prefill_split_kv": "prefill_split_kv", "prefill_attention": "prefill_attention",
+    "prefill_attention": "prefill_attention",
     "prefill_tokens_per_step": "prefill_tokens_per_step",
 }  # fmt: skip
 _SEARCH_FLAGS = {
@@ -521,8 +514,6 @@ def _read_messages(path: str) -> list[dict[str, str]]:
 def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields `bench --engine` sets away from their defaults."""
     out: dict[str, Any] = {"schedule": args.schedule} if args.schedule else {}
-    if args.no_prefill_split_kv:
-        out["prefill_split_kv"] = False
     if args.prefill_attention != "auto":
         out["prefill_attention"] = args.prefill_attention
     if args.prefill_tokens_per_step is not None:

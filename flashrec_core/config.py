@@ -61,12 +61,6 @@ class EngineConfig(BaseModel):
     span two), so its activations stay bounded whatever the wave's size. None: the largest
     prefill graph less room for its pad sequences (8184; a chunk of up to 16 requests then
     replays that graph), or 32,768 without prefill graphs. 0: one forward per wave."""
-    prefill_split_kv: bool = True
-    """Let FlashInfer split a prefill graph's attention over the KV (a partial result per split,
-    then a merge kernel). False plans each query tile over its whole KV instead: faster for a
-    fresh prompt, several times slower for a few new tokens over a cached one (an H100:
-    docs/benchmarks.md, session 19). Only the FlashInfer backend's prefill graphs read it (with
-    prefill_attention="backend")."""
     max_requests: int = Field(default=1024, gt=0)
     schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new

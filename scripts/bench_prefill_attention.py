@@ -1,5 +1,6 @@
-"""Prefill attention alone, one layer: FlashInfer (the engine's prefill-graph wrappers, split-KV on
-and off) vs the Triton prefill kernel in several launch configurations, on the same paged FP8 pool.
+"""Prefill attention alone, one layer: FlashInfer (the engine's prefill-graph wrappers, split-KV on;
+off crashes FlashInfer 0.6.13, see flashrec_core/attention/flashinfer.py) vs the Triton prefill
+kernel in several launch configurations, unsplit and split, on the same paged FP8 pool.
 
 Shape: the bench preset's attention (16 q / 8 kv heads, head_dim 128), FP8 KV over scattered slots.
 Each case is one prefill step: fresh prompts, prompts after a cached prefix, and a few new tokens
@@ -61,12 +62,11 @@ def _flops(new: int, cached: int, prompts: int) -> float:
     return 4.0 * D * HQ * seen * prompts
 
 
-def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int, split: bool):
+def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int):
     """(us, output) of FlashInfer's prefill as a prefill graph replays it (graph-mode wrappers)."""
     fi = FlashInferAttentionBackend(
         DEV, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.bfloat16,
         kv_dtype=pool.dtype, max_rows=8192, max_requests=64, max_context=16384,
-        prefill_split_kv=split,
     )  # fmt: skip
     meta = fi.plan(step, graph=fi.prefill_graph_attention(prompts, q.shape[0]))
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, fi, meta)
@@ -108,10 +108,8 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
     flops = _flops(new, cached, prompts)
     row = {"case": name, "tokens": q.shape[0], "gflop": flops / 1e9}
-    _label(name, "FlashInfer split")
-    row["flashinfer_split_us"], ref = _flashinfer_us(step, pool, q, prompts, True)
-    _label(name, "FlashInfer no split")
-    row["flashinfer_nosplit_us"], _ = _flashinfer_us(step, pool, q, prompts, False)
+    _label(name, "FlashInfer")
+    row["flashinfer_split_us"], ref = _flashinfer_us(step, pool, q, prompts)
     best = None
     _label(name, "Triton default, one split")
     row["triton_default_nosplit_us"], _ = _triton_us(step, pool, q, CONFIGS[0], 1)
@@ -135,8 +133,7 @@ def main() -> None:
         row = _bench_case(*case)
         rows.append(row)
         print(
-            f"{row['case']:28s} FI split {row['flashinfer_split_us']:7.1f} us, no split "
-            f"{row['flashinfer_nosplit_us']:7.1f} us | Triton default "
+            f"{row['case']:28s} FlashInfer {row['flashinfer_split_us']:7.1f} us | Triton default "
             f"{row['triton_m128_n128_w8_s2_us']:7.1f} us (unsplit "
             f"{row['triton_default_nosplit_us']:.1f}), best {row['best']} "
             f"{row['best_us']:7.1f} us ({row['best_tflops']:.0f} TFLOP/s), max |diff| "

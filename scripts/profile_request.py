@@ -99,7 +99,6 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--widths", default="50,512")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--no-prefill-split-kv", action="store_true", help="EngineConfig field")
     ap.add_argument(
         "--prefill-attention", choices=["auto", "backend", "triton"], default="auto",
         help="EngineConfig field",
@@ -109,8 +108,7 @@ def main() -> None:
     ckpt, out = Path(args.checkpoint), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = EngineConfig(
-        model_path=str(ckpt), show_progress=False, prefill_split_kv=not args.no_prefill_split_kv,
-        prefill_attention=args.prefill_attention,
+        model_path=str(ckpt), show_progress=False, prefill_attention=args.prefill_attention,
     )  # fmt: skip
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(ckpt / "catalog.json")))
     # the heap frozen as `flashrec serve` and `bench --engine` freeze it: otherwise collector

@@ -125,7 +125,6 @@ class FlashInferAttentionBackend:
         max_context: int = 16384,
         max_suffix: int = 8,
         layers: Sequence[AttentionSpec] = (),
-        prefill_split_kv: bool = True,
     ) -> None:
         import flashinfer
 
@@ -134,7 +133,6 @@ class FlashInferAttentionBackend:
         self.shape = (num_q_heads, num_kv_heads, head_dim)
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.cascade = cascade
-        self.prefill_split_kv = prefill_split_kv  # prefill graphs only (EngineConfig's field)
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.tensor_cores = num_q_heads != num_kv_heads
         # NOTE: two float workspaces: the prefix and suffix kernels of one cascade layer run back
@@ -188,12 +186,8 @@ class FlashInferAttentionBackend:
     ) -> GroupedMetadata:
         """One plan per layer group (see `_plan_group`)."""
         if isinstance(graph, PrefillGraphAttention):
-            no_split = not self.prefill_split_kv
             return GroupedMetadata(
-                tuple(
-                    self._plan_prefill(step, g, w, disable_split_kv=no_split)
-                    for g, w in enumerate(graph.per_group)
-                )
+                tuple(self._plan_prefill(step, g, w) for g, w in enumerate(graph.per_group))
             )
         return GroupedMetadata(
             tuple(
@@ -241,16 +235,18 @@ class FlashInferAttentionBackend:
         assert graph is None, "prefill graphs plan through PrefillGraphAttention"
         return self._plan_prefill(step, g, eager.prefill)
 
-    def _plan_prefill(
-        self, step: StepInput, g: int, wrapper: Any, disable_split_kv: bool = False
-    ) -> FlashInferMetadata:
+    def _plan_prefill(self, step: StepInput, g: int, wrapper: Any) -> FlashInferMetadata:
+        # Never disable_split_kv: FlashInfer 0.6.13's graph-mode FA2 prefill then launches its
+        # padded grid without the mask of valid blocks, and the spare blocks read plan entries
+        # a previous plan left in the workspace (upstream PR flashinfer-ai/flashinfer#5176, open;
+        # an illegal memory access on an H100 for 16 new tokens over 8,192 cached ones,
+        # docs/benchmarks.md session 21). With split-KV on, the mask exists.
         hq, hkv, d = self.shape
         self._plan(
             wrapper,
             _i32(step.qo_indptr), _i32(step.kv_indptr),
             _i32(step.flat_kv_indices(), self.device), _ones(step.qo_indptr.numel() - 1),
             hq, hkv, d, 1, causal=True, **self._common(self.groups.specs[g]),
-            disable_split_kv=disable_split_kv,
         )  # fmt: skip
         return FlashInferMetadata("prefill", wrapper)
 

@@ -151,7 +151,6 @@ def bench_engine(
         "kv_cache_dtype": ecfg.kv_cache_dtype,
         "quantization": ecfg.quantization,
         "schedule": ecfg.schedule,
-        "prefill_split_kv": ecfg.prefill_split_kv,
         "prefill_attention": ecfg.prefill_attention,
         "prefill_tokens_per_step": ecfg.prefill_tokens_per_step,
     }

@@ -46,16 +46,12 @@ class ModelRunner:
         self.request_table = RequestTable(ecfg.max_requests, max_context, self.device)
         self.prefix_cache = RadixCache(self.allocator) if ecfg.prefix_cache else None
         cfg = self.config
-        backend_only = (
-            {"prefill_split_kv": ecfg.prefill_split_kv}
-            if ecfg.attention_backend == "flashinfer" else {}
-        )  # fmt: skip
         self.attn_backend: AttentionBackend = create_attention_backend(
             ecfg.attention_backend, self.device, num_q_heads=cfg.num_q_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, q_dtype=self.dtype,
             kv_dtype=self.kv_pool.dtype, cascade=ecfg.cascade_attention,
             max_rows=ecfg.max_wave_rows, max_requests=ecfg.max_requests, max_context=max_context,
-            layers=cfg.layer_attention(), **backend_only,
+            layers=cfg.layer_attention(),
         )  # fmt: skip
         beam_attention = ecfg.beam_attention  # resolved: "triton" or "cascade" (the backend's)
         assert beam_attention != "auto", "load_model resolves beam_attention"

@@ -25,14 +25,14 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     run = _bench("--engine", str(ckpt), "-n", "4", "--requests", "8", "--prompt-len", "24",
                  "--shared-prefix", "8", "--level-sizes", LEVELS, "--exclude-items", "50",
-                 "--schedule", "decode_first", "--no-prefill-split-kv",
+                 "--schedule", "decode_first",
                  "--prefill-tokens-per-step", "16", "--out", str(out))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text(), parse_constant=_not_json)
     assert result["path"] == "Engine.generate" and result["requests"] == 8
     assert (result["invalid_results"], result["short_results"]) == (0, 0)
     assert result["requests_per_s"] > 0 and result["exclude_items"] == 50
-    assert (result["schedule"], result["prefill_split_kv"]) == ("decode_first", False)
+    assert result["schedule"] == "decode_first"
     assert (result["prefill_attention"], result["prefill_tokens_per_step"]) == ("backend", 16)
     # no GPU: no peaks to measure, so no floor (null, not NaN: the output stays strict JSON)
     assert result["percent_of_roofline"] is None and result["peak_memory_gib"] is None

@@ -101,11 +101,11 @@ def test_missing_model_path_is_named(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
-    [((), {"prefill_split_kv": True, "schedule": "interleaved", "cuda_graphs": True,
+    [((), {"schedule": "interleaved", "cuda_graphs": True,
            "prefill_attention": "auto", "prefill_tokens_per_step": None}),
-     (("--no-prefill-split-kv", "--schedule", "decode_first", "--no-cuda-graphs",
+     (("--schedule", "decode_first", "--no-cuda-graphs",
        "--prefill-attention", "backend", "--prefill-tokens-per-step", "2048"),
-      {"prefill_split_kv": False, "schedule": "decode_first", "cuda_graphs": False,
+      {"schedule": "decode_first", "cuda_graphs": False,
        "prefill_attention": "backend", "prefill_tokens_per_step": 2048})],
 )  # fmt: skip
 def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: dict) -> None:
@@ -119,5 +119,5 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
     bench = [f for f in flags if f != "--no-cuda-graphs"]
     args = _build_parser().parse_args(["bench", "--engine", "/m", *bench])
     cfg = EngineConfig(model_path="/m", **_bench_engine_settings(args))
-    fields = ("prefill_split_kv", "schedule", "prefill_attention", "prefill_tokens_per_step")
+    fields = ("schedule", "prefill_attention", "prefill_tokens_per_step")
     assert {k: getattr(cfg, k) for k in fields} == {k: expected[k] for k in fields}

@@ -24,11 +24,11 @@ from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["cascade", "flat", "triton", "triton-no-split-kv"])
+@pytest.fixture(scope="module", params=["cascade", "flat", "triton", "triton-backend-prefill"])
 def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Beam steps through FlashInfer's cascade, flat decode or the Triton kernel; prefills
-    through FlashInfer (cascade; triton-no-split-kv, its split-KV off) or the Triton prefill
-    kernel (flat, triton)."""
+    through FlashInfer (cascade, triton-backend-prefill) or the Triton prefill kernel (flat,
+    triton)."""
     spec = Registry.discover().resolve("Qwen3ForCausalLM")
     path = tmp_path_factory.mktemp("graphs")
     hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
@@ -37,7 +37,6 @@ def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
         cascade_attention=request.param != "flat", max_wave_rows=256, quantization="none",
         beam_attention="triton" if request.param.startswith("triton") else "cascade",
-        prefill_split_kv=request.param != "triton-no-split-kv",
         prefill_attention="triton" if request.param in ("flat", "triton") else "backend",
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf

@@ -52,6 +52,7 @@ def _version() -> str:
 
 
 _SCHEDULES = ("interleaved", "decode_first")  # EngineConfig.schedule (config imports torch)
+_MEM_FRACTION = 0.7  # EngineConfig.mem_fraction's default (tests/core/test_cli.py checks)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -184,7 +185,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument(
+        "--mem-fraction", type=float, default=_MEM_FRACTION,
+        help="the KV pool's share of the GPU memory free after the weights",
+    )  # fmt: skip
     p.add_argument("--max-context", type=int, default=None, help="longest prompt in tokens")
     p.add_argument("--max-wave-rows", type=int, default=8192, help="beam rows per decode step")
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")

@@ -32,7 +32,12 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     kv_cache_tokens: int | None = Field(default=None, gt=1)
     """Token slots in the KV pool; None sizes it from free memory (CUDA) or 65,536 (CPU)."""
-    mem_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
+    mem_fraction: float = Field(default=0.7, gt=0.0, le=1.0)
+    """The KV pool's share of the GPU memory free after the weights load (when kv_cache_tokens is
+    None and the budgets can use more). The rest holds activations, CUDA graph pools and
+    workspaces: on an H100 80GB the server's warm-up at n=50 (84 graph captures, waves up to 8,150
+    beam rows) needed more than the 11.6 GiB that 0.85 left and ran out of memory; at 0.7 (23 GiB
+    left) it is ready and serves (docs/benchmarks.md, session 21)."""
     prefix_cache: bool = True
     """Reuse the KV of prompt prefixes seen before (radix tree, LRU eviction)."""
     cascade_attention: bool = True

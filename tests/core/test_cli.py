@@ -115,6 +115,7 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
     args = _build_parser().parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *flags])
     cfg = EngineConfig(**engine_fields(args))
     assert {k: getattr(cfg, k) for k in expected} == expected
+    assert cfg.mem_fraction == EngineConfig.model_fields["mem_fraction"].default  # same default
     # bench --engine takes the other engine flags (not --no-cuda-graphs: --no-graphs)
     bench = [f for f in flags if f != "--no-cuda-graphs"]
     args = _build_parser().parse_args(["bench", "--engine", "/m", *bench])

@@ -144,8 +144,8 @@ def test_kv_pool_sizing_takes_the_memory_share_or_what_the_budgets_can_use() -> 
     from flashrec_core.engine.build import CPU_KV_TOKENS, kv_pool_tokens, workload_kv_tokens
 
     per_token, free = 57_344, 100 * 2**30  # Qwen3-1.7B's FP8 KV per token; 100 GiB free
-    share = int(free * 0.85) // per_token
     default = EngineConfig(model_path="m")  # 1,024 requests x 16,384 tokens: more than fits
+    share = int(free * default.mem_fraction) // per_token
     assert kv_pool_tokens(default, per_token, free, 16_384, 3)[0] == share
     assert kv_pool_tokens(default, per_token, free, 16_384, None)[0] == share
     small = EngineConfig(model_path="m", max_requests=64, max_context=1100)

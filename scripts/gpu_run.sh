@@ -130,6 +130,12 @@ serve_bench() {
     grep "^n=" "$log" || { echo "no phase finished; the bench's last lines:"; tail -5 "$log"; }
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
+  # CPU seconds of each of the server's threads (utime + stime in clock ticks), busiest first:
+  # which threads the "server CPU outside the engine thread" of the bench lines went to
+  for t in /proc/$srv/task/*; do
+    echo "$(awk '{print $14 + $15}' "$t/stat") ticks  tid ${t##*/}  $(cat "$t/comm")"
+  done 2>/dev/null | sort -rn | head -25 > "$out/threads$tag.txt"
+  head -8 "$out/threads$tag.txt"
   stop_server $srv; tail -3 "$out/serve$tag.log"
 }
 

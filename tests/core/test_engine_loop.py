@@ -4,6 +4,8 @@ equal the same requests run alone."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -439,13 +441,16 @@ def test_background_thread_serves_and_stops(
 ) -> None:
     """The loop thread serves with the intra-op threads it is given (`flashrec serve` loads with
     one and hands the machine's to the engine thread: a per-thread OpenMP setting, so the loop
-    thread sets it itself), then stops and admits nothing more."""
+    thread sets it itself), carries its name in the OS too (Linux: top -H, /proc), then stops
+    and admits nothing more."""
     engine = make_engine(checkpoint)
-    loop, seen = engine.loop, []
+    loop, seen, names = engine.loop, [], []
     real = loop.run_once
 
     def run_once() -> None:
         seen.append(torch.get_num_threads())
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        names.append(comm.read_text().strip() if comm.exists() else None)
         real()
 
     monkeypatch.setattr(loop, "run_once", run_once)
@@ -458,6 +463,8 @@ def test_background_thread_serves_and_stops(
     finally:
         loop.stop(grace_s=5)
     assert seen and set(seen) == {wanted}, seen
+    if sys.platform == "linux":
+        assert set(names) == {"flashrec-engine"}, names
     assert not loop.running
     with pytest.raises(EngineStoppedError):
         loop.submit(engine.make_request(prompt="w1", n=2))

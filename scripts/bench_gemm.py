@@ -1,0 +1,92 @@
+"""The model's FP8 GEMMs alone, by row count: how efficient is a forward of a few requests?
+
+Session 21's server runs (docs/benchmarks.md) put the GPU time of one n=50 request at ~8.5 ms in
+waves of 2-3 requests against ~5.8 ms in waves of 100+, and an unloaded request's profile puts
+half its GPU time in the FP8 GEMMs (`torch._scaled_mm`, cuBLAS). This script times each of the
+bench preset's four projections (Qwen3-1.7B: hidden 2048, 16 q / 8 KV heads of 128,
+intermediate 6144) exactly as `fp8_linear` calls them (per-token activation scales, per-channel
+weight scales, bf16 out) at row counts from a beam step of one n=50 request to a full prefill
+chunk, and reports TFLOP/s against the 8192^3 GEMM peak the roofline uses, and the time of a
+whole forward's GEMMs (28 layers). Times are CUDA events (`triton.testing.do_bench`). Usage (on
+the GPU): python scripts/bench_gemm.py [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+HIDDEN, INTER, LAYERS = 2048, 6144, 28
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
+PROJECTIONS = {  # name: (in, out)
+    "qkv": (HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM),
+    "o": (Q_HEADS * HEAD_DIM, HIDDEN),
+    "gate_up": (HIDDEN, 2 * INTER),
+    "down": (INTER, HIDDEN),
+}
+ROWS = (50, 150, 512, 1024, 2048, 3072, 4096, 8184, 16368)
+"""One n=50 request's beam step, three of them, then prefills of 0.5 to 16 requests of 1,024
+tokens (8,184: the default prefill chunk)."""
+DEV = torch.device("cuda")
+
+
+def _fp8(rows: int, cols: int) -> torch.Tensor:
+    return (torch.randn(rows, cols, device=DEV) * 0.5).to(torch.float8_e4m3fn)
+
+
+def _us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+
+
+def peak_tflops() -> float:
+    """The roofline's GEMM peak: FP8 8192^3 with row-wise scales (flashrec_core/bench/roofline.py)."""
+    m = 8192
+    a, b = _fp8(m, m), _fp8(m, m).t()
+    sa, sb = torch.ones(m, 1, device=DEV), torch.ones(1, m, device=DEV)
+    us = _us(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    return 2 * m**3 / us / 1e6
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    peak = peak_tflops()
+    print(f"{torch.cuda.get_device_name()}: FP8 8192^3 peak {peak:.0f} TFLOP/s", flush=True)
+    weights = {
+        n: (_fp8(o, i), torch.rand(1, o, device=DEV) + 0.5) for n, (i, o) in PROJECTIONS.items()
+    }
+    rows_out = []
+    for rows in ROWS:
+        forward_us, flops = 0.0, 0.0
+        row = {"rows": rows}
+        for name, (fan_in, fan_out) in PROJECTIONS.items():
+            x = _fp8(rows, fan_in)
+            sx = torch.rand(rows, 1, device=DEV) + 0.5
+            w, sw = weights[name]
+            us = _us(
+                lambda x=x, sx=sx, w=w, sw=sw: torch._scaled_mm(
+                    x, w.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16
+                )
+            )
+            f = 2.0 * rows * fan_in * fan_out
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_tflops"] = round(f / us / 1e6, 1)
+            forward_us += us * LAYERS
+            flops += f * LAYERS
+        row["forward_gemm_ms"] = round(forward_us / 1e3, 3)
+        row["share_of_peak"] = round(flops / forward_us / 1e6 / peak, 3)
+        row["us_per_row"] = round(forward_us / rows, 2)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    (out / "bench_gemm.json").write_text(
+        json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "peak_tflops": peak, "rows": rows_out}, indent=1
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

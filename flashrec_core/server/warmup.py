@@ -39,7 +39,7 @@ def warm_up(
             )  # fmt: skip
         filters = [None] + ([version.index.allow_all()] if graphs and version.index else [])
         for n in usable:
-            counts = capture_request_counts(n, limits.max_wave_rows) if graphs else [1]
+            counts = warm_counts(n, limits.max_wave_rows) if graphs else [1]
             for item_filter in filters:
                 request = GenerationRequest(prompt, n, item_filter=item_filter, catalog=version)
                 plan += [(request, count) for count in counts]
@@ -49,6 +49,16 @@ def warm_up(
     for request, count in tqdm(plan, desc="warm-up", unit="wave", disable=not (plan and progress)):
         engine.generate([request] * count)
     return len(plan)
+
+
+def warm_counts(width: int, max_rows: int) -> list[int]:
+    """The request counts of `width`'s beam-step graphs, largest first. The graphs share one
+    memory pool: what a capture frees, a later capture can reuse only if it needs no larger
+    blocks, so smallest-first grows the pool by every capture's buffers (5.0 GiB of graph pools at
+    n=50 on an H100, where the last capture ran out of memory; docs/benchmarks.md, session 21),
+    and largest-first lets the smaller ones fit in what the first left (the prefill graphs and
+    vLLM capture the same way)."""
+    return sorted(capture_request_counts(width, max_rows), reverse=True)
 
 
 def _any_token(engine: Engine) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flashrec_core.engine.cuda_graph import capture_request_counts, graph_padding
+from flashrec_core.server.warmup import warm_counts
 
 
 def test_capture_counts_are_a_ladder_ending_at_the_fullest_wave() -> None:
@@ -10,6 +11,12 @@ def test_capture_counts_are_a_ladder_ending_at_the_fullest_wave() -> None:
     assert capture_request_counts(512, 8192) == [1, 2, 4, 8, 16]
     assert capture_request_counts(4096, 8192) == [1, 2]
     assert capture_request_counts(10_000, 8192) == []
+
+
+def test_warm_up_captures_the_largest_wave_first() -> None:
+    """Smaller captures then reuse the shared graph pool's blocks the largest one freed."""
+    assert warm_counts(50, 8192) == [163, *range(160, 7, -8), 4, 2, 1]
+    assert warm_counts(512, 8192) == [16, 8, 4, 2, 1]
 
 
 def test_waves_pad_up_to_the_next_capture_size() -> None:

@@ -61,7 +61,7 @@ def main() -> None:
     rows_out = []
     for rows in ROWS:
         forward_us, flops = 0.0, 0.0
-        row = {"rows": rows}
+        row: dict[str, float] = {"rows": rows}
         for name, (fan_in, fan_out) in PROJECTIONS.items():
             x = _fp8(rows, fan_in)
             sx = torch.rand(rows, 1, device=DEV) + 0.5

@@ -558,7 +558,8 @@ class EngineLoop:
 
 def _name_os_thread(name: str) -> None:
     """Give the calling thread `name` in the OS as well (Linux, 15 bytes at most), so `top -H`,
-    /proc/PID/task/*/comm and py-spy tell the engine thread from the HTTP side's threads."""
+    /proc/PID/task/*/comm and py-spy tell the engine thread from the HTTP side's threads. The
+    OpenMP workers it starts later inherit the name."""
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME

@@ -161,15 +161,32 @@ def _warm_up(state: ServerState) -> None:
 
 
 def _device_memory(engine: Engine) -> str:
-    """Where the device's memory stands after warm-up (what prefills beside the KV pool and the
-    captured graphs have left to them), for the log."""
+    """Where the device's memory stands after warm-up, for the log: the KV pool, the CUDA graphs'
+    private pools, torch's peak, and what prefills beside them have left (the split that
+    `--mem-fraction` sets; docs/serving.md)."""
     device = engine.runner.device
     if device.type != "cuda":
         return ""
     free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    return (f"; device memory: {reserved / 2**30:.1f} GiB reserved by torch, "
-            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")  # fmt: skip
+    gib = 2**30
+    return (
+        f"; device memory: KV pool {engine.runner.kv_pool.nbytes / gib:.1f} GiB, CUDA graph "
+        f"pools {graph_pool_bytes(device) / gib:.1f} GiB, peak allocated "
+        f"{torch.cuda.max_memory_allocated(device) / gib:.1f} GiB, "
+        f"{torch.cuda.memory_reserved(device) / gib:.1f} GiB reserved by torch, "
+        f"{free / gib:.1f} of {total / gib:.1f} GiB free"
+    )
+
+
+def graph_pool_bytes(device: torch.device) -> int:
+    """Bytes of the segments torch's allocator holds in private pools (CUDA graphs' memory):
+    segments of the default pool carry pool id (0, 0)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

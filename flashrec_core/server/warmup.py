@@ -8,13 +8,15 @@ On CPU, where there are no graphs, one request per width."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import capture_request_counts
 from flashrec_core.engine.engine import Engine
+from flashrec_core.engine.handles import DeviceMemoryError
 from flashrec_core.engine.requests import GenerationRequest
 
 logger = logging.getLogger("flashrec.server")
@@ -27,7 +29,7 @@ def warm_up(
     """Warm `widths` on `versions` (default: every current catalog); returns the waves run."""
     limits, graphs = engine.loop.limits, engine.wave.graphs is not None
     prompt = tuple(engine.with_sid_begin([_any_token(engine)]))
-    plan: list[tuple[GenerationRequest, int]] = []
+    plan: list[tuple[GenerationRequest, list[int]]] = []
     for version in versions if versions is not None else engine.catalogs.current():
         sids = len(version.catalog) if version.catalog is not None else None
         usable = [n for n in widths if n <= limits.max_wave_rows and (sids is None or n <= sids)]
@@ -42,13 +44,41 @@ def warm_up(
             counts = warm_counts(n, limits.max_wave_rows) if graphs else [1]
             for item_filter in filters:
                 request = GenerationRequest(prompt, n, item_filter=item_filter, catalog=version)
-                plan += [(request, count) for count in counts]
+                plan.append((request, counts))
     prefill = engine.wave.prefill_graphs
     if prefill is not None and versions is None:
         engine.loop.call(lambda: prefill.capture_all(progress))  # on the engine thread
-    for request, count in tqdm(plan, desc="warm-up", unit="wave", disable=not (plan and progress)):
-        engine.generate([request] * count)
-    return len(plan)
+    waves = sum(len(counts) for _, counts in plan)
+    with tqdm(total=waves, desc="warm-up", unit="wave", disable=not (waves and progress)) as bar:
+        for request, counts in plan:
+            warm_ladder(engine, request, counts, bar.update)
+    return waves
+
+
+def warm_ladder(
+    engine: Engine, request: GenerationRequest, counts: list[int], done: Callable[[], object]
+) -> None:
+    """A wave of `request` at each of `counts` (largest first), `done` after each. A wave whose
+    beam step runs out of device memory lowers the loop's beam-row budget to the next count down
+    (with a warning) instead of failing the warm-up: traffic would meet the same shortfall in an
+    eager step (the graph's capture failed with it), and a server left unready serves nobody.
+    Waves over a budget lowered this way are skipped; the smallest count failing still fails."""
+    for i, count in enumerate(counts):
+        rows = count * request.n
+        if rows <= engine.loop.limits.max_wave_rows:
+            try:
+                engine.generate([request] * count)
+            except DeviceMemoryError as exc:
+                if not exc.retry or i + 1 == len(counts):
+                    raise
+                cap = counts[i + 1] * request.n
+                engine.loop.limits = replace(engine.loop.limits, max_wave_rows=cap)
+                logger.warning(
+                    "warm-up: a wave of %d requests x n=%d (%d beam rows) ran out of device memory;"
+                    " waves are now capped at %d beam rows (lower --mem-fraction to keep "
+                    "--max-wave-rows): %s", count, request.n, rows, cap, exc,
+                )  # fmt: skip
+        done()
 
 
 def warm_counts(width: int, max_rows: int) -> list[int]:

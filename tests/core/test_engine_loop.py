@@ -553,3 +553,37 @@ def test_call_runs_on_the_engine_thread_and_returns_or_raises(checkpoint: Path) 
     finally:
         loop.stop(grace_s=5)
     assert_idle(engine)
+
+
+def test_warm_up_out_of_device_memory_caps_the_wave_budget_instead_of_failing(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's warm-up, largest wave first: a beam step that runs out of device memory (a
+    CUDA graph's capture failed and so did the eager step, as on an 80 GB card at 0.85 of its
+    memory for the KV pool) lowers the loop's beam-row budget to the next count down; the
+    smaller waves warm up, and later traffic forms waves within the new budget. The smallest
+    count failing still fails the warm-up."""
+    from flashrec_core.server.warmup import warm_ladder
+
+    engine = make_engine(checkpoint)
+    wave, real = engine.wave, engine.wave.advance
+    most = 2  # requests a beam step has device memory for
+
+    def advance(state) -> None:
+        if len(state.requests) > most:
+            raise torch.OutOfMemoryError("CUDA out of memory (a beam step)")
+        real(state)
+
+    monkeypatch.setattr(wave, "advance", advance)
+    request = engine.make_request(prompt="w1 w2", n=4)
+    done: list[int] = []
+    warm_ladder(engine, request, [4, 3, 2, 1], lambda: done.append(1))
+    assert len(done) == 4, "every count is accounted for on the progress bar"
+    assert engine.loop.limits.max_wave_rows == 2 * 4, "4 failed, then 3: capped at 2 requests"
+    results = engine.generate([engine.make_request(prompt=f"w{i}", n=4) for i in range(5)])
+    assert [len(r.choices) for r in results] == [4] * 5, "waves of at most 2 requests"
+    assert_idle(engine)
+    most = 0
+    with pytest.raises(DeviceMemoryError, match="beam step of 1 requests"):
+        warm_ladder(engine, request, [1], lambda: None)
+    assert_idle(engine)

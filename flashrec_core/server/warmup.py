@@ -26,7 +26,8 @@ def warm_up(
     engine: Engine, widths: Sequence[int], versions: Sequence[CatalogVersion] | None = None,
     progress: bool = True,
 ) -> int:  # fmt: skip
-    """Warm `widths` on `versions` (default: every current catalog); returns the waves run."""
+    """Warm `widths` on `versions` (default: every current catalog); returns the waves planned
+    (with any that a lowered beam-row budget skipped)."""
     limits, graphs = engine.loop.limits, engine.wave.graphs is not None
     prompt = tuple(engine.with_sid_begin([_any_token(engine)]))
     plan: list[tuple[GenerationRequest, list[int]]] = []

@@ -112,11 +112,15 @@ stop_server() {
 # the SERVER_SPECS phases; each is printed as it ends and written to $out/e2e_server_nN_cC$TAG.json
 serve_bench() {
   local tag=$1 srv n reqs; shift
-  flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" --warmup-n 50,512 --port 8123 "$@" \
+  # leading NAME=VALUE words are the server's environment (e.g. OMP_NUM_THREADS=1), the rest flags
+  local envs=()
+  while [[ ${1:-} =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done
+  env "${envs[@]}" flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" \
+    --warmup-n 50,512 --port 8123 "$@" \
     ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile$tag.txt"} > "$out/serve$tag.log" 2>&1 &
   srv=$!
   wait_ready 8123 || { stop_server $srv; tail -5 "$out/serve$tag.log"; return; }
-  echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: $*)"
+  echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: ${envs[*]} $*)"
   grep -o "device memory: .*" "$out/serve$tag.log" | head -1
   # each phase sends 3-4x the concurrency, so the closed loop measures a steady state, not one
   # burst, and each open-loop rate runs long enough for a p99
@@ -209,7 +213,8 @@ for what in "${@:-tests}"; do
       fi
       [[ $what == e2e-engine ]] && continue
       # SERVE_ARGS: further serve flags, e.g. "--admission-delay-factor 1"; SERVE_AB: more lists
-      # of flags separated by ';', each served and loaded after the first (file suffixes _b, _c, ...)
+      # of flags separated by ';', each served and loaded after the first (file suffixes _b, _c, ...);
+      # a list may start with NAME=VALUE words, the server's environment (OMP_NUM_THREADS=1 ...)
       # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
       serve_bench "" ${SERVE_ARGS:-}
       IFS=';' read -ra variants <<< "${SERVE_AB:-}"

@@ -34,7 +34,8 @@ from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
-    "auto_num_splits", "launch_beam_cascade_attention", "score_scales", "split_partials",
+    "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
+    "split_partials",
 ]  # fmt: skip
 
 # Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
@@ -271,6 +272,29 @@ def split_partials(
     return acc, part_m, torch.empty_like(part_m)
 
 
+def merge_splits(
+    row_indptr: torch.Tensor,
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_kv_heads: int,
+    max_rows_per_group: int,
+    num_splits: int,
+) -> None:
+    """Launch `_merge_splits_kernel` over `split_partials`' buffers into `out` [R, Hq, D]: one
+    program per (row group of `row_indptr`, kv head, tile of packed rows); `max_rows_per_group`
+    bounds a group's rows (the grid is static)."""
+    part_acc, part_m, part_l = partials
+    num_rows, num_q_heads, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    merge_tiles = triton.cdiv(max_rows_per_group * group, MERGE_BLOCK_M)
+    _merge_splits_kernel[(row_indptr.numel() - 1, num_kv_heads, merge_tiles)](
+        row_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+        num_rows * num_q_heads,
+        GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def score_scales(sm_scale: float, logit_softcap: float | None) -> tuple[float, float]:
     """(qk_scale, cap_log2) of `_scores`: log2(e) folded into the scale, or with a soft-cap,
     sm_scale / cap and cap * log2(e)."""
@@ -327,10 +351,5 @@ def launch_beam_cascade_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:
-        merge_tiles = triton.cdiv(max_rows_per_request * group, MERGE_BLOCK_M)
-        _merge_splits_kernel[(num_requests, num_kv_heads, merge_tiles)](
-            row_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
-            num_rows * num_q_heads,
-            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
-            num_warps=4,
-        )  # fmt: skip
+        merge_splits(row_indptr, out, (part_acc, part_m, part_l), num_kv_heads,
+                     max_rows_per_request, num_splits)  # fmt: skip

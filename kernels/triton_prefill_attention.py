@@ -29,11 +29,10 @@ import triton.language as tl
 
 from .device import triton_interpreting
 from .triton_beam_attention import (
-    MERGE_BLOCK_M,
     _dot_operand,
-    _merge_splits_kernel,
     _scores,
     auto_num_splits,
+    merge_splits,
     score_scales,
     split_partials,
 )
@@ -235,11 +234,5 @@ def launch_prefill_attention(
         WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)
-        num_sequences = qo_indptr.numel() - 1
-        merge_tiles = triton.cdiv(num_tokens * group, MERGE_BLOCK_M)
-        _merge_splits_kernel[(num_sequences, num_kv_heads, merge_tiles)](
-            qo_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
-            num_tokens * num_q_heads,
-            GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
-            num_warps=4,
-        )  # fmt: skip
+        merge_splits(qo_indptr, out, (part_acc, part_m, part_l), num_kv_heads, num_tokens,
+                     num_splits)  # fmt: skip

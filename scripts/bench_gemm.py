@@ -7,7 +7,9 @@ bench preset's four projections (Qwen3-1.7B: hidden 2048, 16 q / 8 KV heads of 1
 intermediate 6144) exactly as `fp8_linear` calls them (per-token activation scales, per-channel
 weight scales, bf16 out) at row counts from a beam step of one n=50 request to a full prefill
 chunk, and reports TFLOP/s against the 8192^3 GEMM peak the roofline uses, and the time of a
-whole forward's GEMMs (28 layers). Times are CUDA events (`triton.testing.do_bench`). Usage (on
+whole forward's GEMMs (28 layers); then, at a few small row counts, the Triton small-row GEMM
+(`flashrec_kernels.fp8_gemm`) with its default launch and a sweep of launches against it. Times
+are CUDA events (`triton.testing.do_bench`). Usage (on
 the GPU): python scripts/bench_gemm.py [OUT_DIR]
 """
 
@@ -81,11 +83,77 @@ def main() -> None:
         row["us_per_row"] = round(forward_us / rows, 2)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
+    small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
     (out / "bench_gemm.json").write_text(
         json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "peak_tflops": peak, "rows": rows_out}, indent=1
-        )
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "peak_tflops": peak,
+                "rows": rows_out,
+                "triton_small_m": small,
+            },
+            indent=1,
+        )  # fmt: skip
     )
+
+
+TRITON_ROWS = (16, 50, 150, 512)
+"""Row counts for the Triton small-row GEMM: a beam step of a few rows, one n=50 request, three,
+and one n=512 request."""
+SWEEP = [
+    dict(block_n=bn, block_k=bk, num_stages=st)
+    for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)
+]  # fmt: skip
+"""Launch configurations tried beside the default (`launch_config`); the row tile stays the
+default's (one tile up to 64 rows)."""
+
+
+def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
+    """`flashrec_kernels.fp8_gemm` at `rows` against `torch._scaled_mm`: each projection with the
+    default launch and the fastest of SWEEP (its output checked against cuBLAS's first), and the
+    forward's GEMM time with the faster of the two per projection."""
+    from flashrec_kernels import fp8_gemm
+
+    cublas = next((r for r in cublas_rows if r["rows"] == rows), None)
+    row: dict = {"rows": rows}
+    forward_best_us = 0.0
+    for name, (fan_in, _) in PROJECTIONS.items():
+        x = _fp8(rows, fan_in)
+        sx = torch.rand(rows, device=DEV) + 0.5
+        w, sw = weights[name]
+        sw = sw.view(-1)
+        ref = torch._scaled_mm(x, w.t(), scale_a=sx.view(-1, 1), scale_b=sw.view(1, -1),
+                               out_dtype=torch.bfloat16).float()  # fmt: skip
+        got = fp8_gemm(x, sx, w, sw).float()
+        rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+        default_us = _us_quick(lambda x=x, sx=sx, w=w, sw=sw: fp8_gemm(x, sx, w, sw))
+        best_us, best_cfg = default_us, "default"
+        for cfg in SWEEP:
+            try:
+                us = _us_quick(
+                    lambda x=x, sx=sx, w=w, sw=sw, cfg=cfg: fp8_gemm(x, sx, w, sw, **cfg)
+                )
+            except Exception as exc:  # a configuration that does not build here (resources)
+                print(f"  {name} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            if us < best_us:
+                best_us, best_cfg = us, cfg
+        cublas_us = cublas[f"{name}_us"] if cublas else _us_quick(
+            lambda x=x, sx=sx, w=w, sw=sw: torch._scaled_mm(
+                x, w.t(), scale_a=sx.view(-1, 1), scale_b=sw.view(1, -1), out_dtype=torch.bfloat16)
+        )  # fmt: skip
+        row[name] = {"cublas_us": round(cublas_us, 2), "triton_default_us": round(default_us, 2),
+                     "triton_best_us": round(best_us, 2), "triton_best": best_cfg,
+                     "max_rel_diff_vs_cublas": rel}  # fmt: skip
+        forward_best_us += min(cublas_us, best_us) * LAYERS
+    row["forward_gemm_best_ms"] = round(forward_best_us / 1e3, 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _us_quick(fn) -> float:
+    """A shorter `_us` for the sweep (each call is ~10 us; 20 ms still averages ~1,000 runs)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from flashrec_kernels.gpu_compile import compiled_launches
 from flashrec_kernels.trie_topk import CsrLevel, DenseLevel
 from flashrec_kernels import triton_beam_attention as att, triton_quant, triton_rms_norm
 from flashrec_kernels import triton_prefill_attention, triton_rope, triton_silu_mul, triton_trie_topk
+from flashrec_kernels import triton_fp8_gemm
 
 T, H, HQ, HKV, D = 4, 2048, 16, 8, 128
 bf16, fp8, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64
@@ -62,6 +63,11 @@ with compiled_launches(90) as done:
             qd, cd, cd.clone(), ptr, ptr, torch.zeros(T, dtype=i32), torch.zeros(2, 2, dtype=i32),
             0.088, torch.zeros(T, HQ, d, dtype=bf16), softcap, window, 128 if d <= 128 else 64,
             num_splits=splits)
+    # the small-row GEMM at a beam step of 4 and of 50 rows (mma and wgmma tiles), with a bias
+    for rows in (4, 50):
+        a, w = torch.zeros(rows, H, dtype=fp8), torch.zeros(4096, H, dtype=fp8)
+        triton_fp8_gemm.launch_fp8_gemm(a, torch.ones(rows), w, torch.ones(4096),
+                                        torch.zeros(4096, dtype=bf16), bf16)
 names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
@@ -84,5 +90,7 @@ def test_shared_kernels_compile_for_sm90() -> None:
 
     proc = run_compile_script(_SCRIPT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    for kernel in ("quant", "rms_norm", "silu_mul", "rope", "trie_topk", "beam_cascade", "prefill"):
+    for kernel in (
+        "quant", "rms_norm", "silu_mul", "rope", "trie_topk", "beam_cascade", "prefill", "fp8_gemm",
+    ):  # fmt: skip
         assert kernel in proc.stdout, f"no {kernel} kernel compiled: {proc.stdout}"

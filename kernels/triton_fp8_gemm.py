@@ -1,0 +1,112 @@
+"""Triton kernel of `fp8_gemm`: one program per (row tile, column tile), each over the whole K
+(a compile-time constant: a model has a few distinct K, and the interpreter cannot loop to a
+runtime bound).
+
+The row tiles are the fastest grid axis, so the programs that read one column tile of the weights
+run side by side and share it through L2. The column tile is as wide as leaves at least one
+program per SM (`launch_config`): with few rows, the work is reading the weights, and every SM
+must stream its share of them. The launch configuration is a first guess, not yet timed on a
+GPU: scripts/bench_gemm.py sweeps it against `torch._scaled_mm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp8 import cast_for_store
+
+__all__ = ["LaunchConfig", "launch_config", "launch_fp8_gemm"]
+
+_DEFAULT_SMS = 132  # an H100 SXM's SM count, for launches planned without a GPU (interpreter)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def launch_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> LaunchConfig:
+    """Rows in tiles of 16-64 (one tile for a beam step of up to 64 rows); the widest column tile
+    (16-128) that still gives every SM a program; K in steps of up to 256 codes."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    row_tiles = triton.cdiv(m, block_m)
+    block_n = 16
+    for width in (128, 64, 32):
+        if triton.cdiv(n, width) * row_tiles >= sms:
+            block_n = width
+            break
+    block_k = min(256, max(32, triton.next_power_of_2(k)))
+    return LaunchConfig(block_m, block_n, block_k)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N,
+    stride_am, stride_wn, stride_om,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc)  # e4m3 x e4m3 -> fp32 (exact products)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+    y = acc * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(
+        out_ptrs,
+        cast_for_store(y, out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def launch_fp8_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, **launch: int,
+) -> torch.Tensor:  # fmt: skip
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    sms = (
+        torch.cuda.get_device_properties(a.device).multi_processor_count
+        if a.is_cuda
+        else _DEFAULT_SMS
+    )
+    planned = launch_config(m, n, k, sms)
+    cfg = LaunchConfig(**{**planned.__dict__, **launch})
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _fp8_gemm_kernel[grid](
+        a, a_scale, w, w_scale, bias if bias is not None else w_scale, out, m, n,
+        a.stride(0), w.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -129,6 +129,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: the engine loop's schedule (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--prefill-tokens-per-step", type=int, default=None, metavar="T",
                      help="with --engine: chunked prefill (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--fp8-gemm-triton-rows", type=int, default=None, metavar="R",
+                     help="with --engine: the Triton small-row GEMM (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--host-threads", type=int, default=None, metavar="N",
+                     help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -213,6 +217,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "wave's prefill per loop iteration, the waves in flight stepping between the pieces "
         "(default: a wave's whole prefill at once)",
     )  # fmt: skip
+    p.add_argument(
+        "--fp8-gemm-triton-rows", type=int, default=0, metavar="R",
+        help="FP8 projections of at most R rows (small beam steps) through the Triton "
+        "small-row GEMM instead of cuBLAS (default 0: never)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-threads", type=int, default=None, metavar="N",
+        help="CPU threads of the thread running the engine loop (default: 1 on CUDA, all "
+        "cores on CPU)",
+    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -290,7 +304,8 @@ _ENGINE_FLAGS = {
     "no_cuda_graphs": "cuda_graphs", "beam_attention": "beam_attention",
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
     "prefill_attention": "prefill_attention",
-    "prefill_tokens_per_step": "prefill_tokens_per_step",
+    "prefill_tokens_per_step": "prefill_tokens_per_step", "host_threads": "host_threads",
+    "fp8_gemm_triton_rows": "fp8_gemm_triton_rows",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -522,6 +537,10 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["prefill_attention"] = args.prefill_attention
     if args.prefill_tokens_per_step is not None:
         out["prefill_tokens_per_step"] = args.prefill_tokens_per_step
+    if args.host_threads is not None:
+        out["host_threads"] = args.host_threads
+    if args.fp8_gemm_triton_rows is not None:
+        out["fp8_gemm_triton_rows"] = args.fp8_gemm_triton_rows
     return out
 
 

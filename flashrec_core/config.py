@@ -77,6 +77,19 @@ class EngineConfig(BaseModel):
     one), so the waves in flight step between its pieces and a beam step waits for one piece of
     prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
     measured on a GPU: meant to lower the latency tail under load."""
+    fp8_gemm_triton_rows: int = Field(default=0, ge=0)
+    """FP8 projections of at most this many rows (the beam steps of small waves) run through the
+    Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose
+    row-wise-scaled kernels read the weights at ~20% of an H100's bandwidth at 50 rows
+    (scripts/bench_gemm.py). 0: never. Off by default until a device benchmark picks the row
+    count where it stops paying (docs/benchmarks.md, session 22). Needs Triton kernels and FP8."""
+    host_threads: int | None = Field(default=None, ge=1)
+    """torch intra-op (CPU) threads of the thread that runs the engine loop (the server's engine
+    thread, or the caller of `Engine.generate` while it runs). None: 1 on CUDA, where that
+    thread's CPU ops are small host work and more OpenMP workers only spin-wait between them
+    (H100, session 22: 6.6 -> 1.2 ms of server CPU per request outside the engine thread, and
+    +5% throughput; docs/benchmarks.md); on CPU, where the model runs on those threads, torch's
+    default (all cores)."""
     max_wave_rows: int = Field(default=8192, gt=0)
     """Beam rows (sum of n) that share one decode step; `generate` packs requests into waves."""
     max_context: int | None = Field(default=None, gt=0)

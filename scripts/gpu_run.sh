@@ -108,6 +108,22 @@ stop_server() {
   kill -0 "$1" 2>/dev/null && { echo "server $1 still running: killed"; kill -KILL "$1"; }
   wait "$1"; echo "serve exit $?"
 }
+# engine_bench N:REQUESTS TAG [NAME=VALUE...] [BENCH FLAGS...]: Engine.generate on the bench
+# checkpoint (flashrec bench --engine) with that environment and those flags, written to
+# $out/e2e_engine_nN$TAG.json
+engine_bench() {
+  local spec=$1 tag=$2; shift 2
+  local envs=()
+  while [[ ${1:-} =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done
+  echo "--- Engine.generate n=${spec%:*} (${envs[*]} $*)"
+  env "${envs[@]}" timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" \
+    --requests "${spec#*:}" "$@" --out "$out/e2e_engine_n${spec%:*}$tag.json" > "$out/e2e_engine_n${spec%:*}$tag.log" 2>&1
+  python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(
+    "{requests} requests: {requests_per_s:.1f} req/s, {percent_of_roofline:.1f}% of floor, p50 "
+    "{latency_p50_ms:.0f} ms; unloaded p50 {single_request_p50_ms:.2f} ms; peak {peak_memory_gib:.1f} "
+    "GiB (KV pool {kv_pool_gib:.1f}); invalid {invalid_results}".format(**d))' \
+    "$out/e2e_engine_n${spec%:*}$tag.json" 2>/dev/null || tail -5 "$out/e2e_engine_n${spec%:*}$tag.log"
+}
 # serve_bench TAG [SERVE FLAGS...]: flashrec serve on the bench checkpoint, then the server bench at
 # the SERVER_SPECS phases; each is printed as it ends and written to $out/e2e_server_nN_cC$TAG.json
 serve_bench() {
@@ -204,11 +220,18 @@ for what in "${@:-tests}"; do
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then
         # E2E_N: the widths to run (default all three; n=1024 with 16 requests, no manual flags);
-        # E2E_ARGS: further bench flags (e.g. "--schedule decode_first"), E2E_TAG their file suffix
+        # E2E_ARGS: further bench flags (e.g. "--schedule decode_first"), E2E_TAG their file suffix;
+        # E2E_AB: more lists of flags separated by ';', each run after the first at every width
+        # (file suffixes _b, _c, ...; a list may start with NAME=VALUE words, its environment)
+        IFS=';' read -ra engine_variants <<< "${E2E_AB:-}"
         for spec in ${E2E_N:-50:400 512:64 1024:16}; do
           # shellcheck disable=SC2086  # E2E_ARGS is a list of flags
-          timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" --requests "${spec#*:}" \
-            ${E2E_ARGS:-} --out "$out/e2e_engine_n${spec%:*}${E2E_TAG:-}.json" 2>&1 | tail -22
+          engine_bench "$spec" "${E2E_TAG:-}" ${E2E_ARGS:-}
+          tags=(_b _c _d _e)
+          for i in "${!engine_variants[@]}"; do
+            # shellcheck disable=SC2086
+            engine_bench "$spec" "${tags[$i]}" ${engine_variants[$i]}
+          done
         done
       fi
       [[ $what == e2e-engine ]] && continue

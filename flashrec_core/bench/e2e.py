@@ -153,6 +153,8 @@ def bench_engine(
         "schedule": ecfg.schedule,
         "prefill_attention": ecfg.prefill_attention,
         "prefill_tokens_per_step": ecfg.prefill_tokens_per_step,
+        "host_threads": engine.loop.intra_op_threads,
+        "fp8_gemm_triton_rows": ecfg.fp8_gemm_triton_rows,
     }
 
 

@@ -133,7 +133,7 @@ def create_build_context(
     triton_ok, _ = triton_usable(cfg)
     ctx = BuildContext(
         device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels,
-        triton=triton_ok,
+        triton=triton_ok, small_gemm_rows=cfg.fp8_gemm_triton_rows if triton_ok and fp8 else 0,
     )  # fmt: skip
     return ctx, decisions
 

@@ -72,6 +72,8 @@ class Engine:
         self.loop = EngineLoop(self.wave, self.decoder, limits)
         """Admits, steps and retires requests; `generate` and the server are its clients."""
         self.loop.schedule = ecfg.schedule
+        on_gpu = runner.device.type == "cuda"
+        self.loop.intra_op_threads = ecfg.host_threads or (1 if on_gpu else None)
         self.loop.prefill_tokens_per_step = ecfg.prefill_tokens_per_step
 
     @property

@@ -44,8 +44,9 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -115,7 +116,9 @@ class EngineLoop:
         self._exit = False
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
         self.intra_op_threads: int | None = None
-        """torch intra-op (CPU) threads of the loop thread (`start`); None: torch's default."""
+        """torch intra-op (CPU) threads of the thread running the loop: the loop thread
+        (`start`), or a caller driving it (`wait_done`) for that long (EngineConfig.host_threads);
+        None: torch's default."""
         self.schedule: Schedule = "interleaved"
         """"interleaved": admit at every step boundary; "decode_first": only once no wave is in
         flight (EngineConfig.schedule; module docstring)."""
@@ -606,8 +609,24 @@ def wait_done(loop: EngineLoop, handles: Sequence[RequestHandle]) -> None:
         for h in handles:
             h.future.exception()  # waits; a failure is the caller's to read
         return
-    while not all(h.future.done() for h in handles):
-        loop.run_once()
+    with _intra_op_threads(loop.intra_op_threads):
+        while not all(h.future.done() for h in handles):
+            loop.run_once()
+
+
+@contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` on this thread for the block (None: as they
+    are), then put back."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def wait_all(loop: EngineLoop, handles: Sequence[RequestHandle]) -> list[GenerationResult]:

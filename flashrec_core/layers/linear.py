@@ -41,6 +41,7 @@ class Linear(nn.Module):
         self.out_dtype = ctx.dtype
         self.fp8 = ctx.fp8_linear if fp8 is None else fp8
         self.triton_quant = ctx.triton
+        self.small_gemm_rows = ctx.small_gemm_rows
         shape = (self.out_features, in_features)
         w_dtype = FP8_DTYPE if self.fp8 else ctx.dtype
         self.weight = nn.Parameter(torch.empty(shape, dtype=w_dtype, device=ctx.device), False)
@@ -63,7 +64,9 @@ class Linear(nn.Module):
             return nn.functional.linear(x, self.weight, self.bias)
         xq = x if isinstance(x, QuantizedActivation) else quantize_per_token(x, self.triton_quant)
         assert self.weight_scale is not None, "FP8 Linear always has a weight scale"
-        return fp8_linear(xq, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        return fp8_linear(
+            xq, self.weight, self.weight_scale, self.bias, self.out_dtype, self.small_gemm_rows
+        )
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, fp8={self.fp8}"

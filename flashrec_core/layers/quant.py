@@ -7,7 +7,12 @@ from typing import NamedTuple
 import torch
 from flashrec_kernels import FP8_DTYPE as FP8_DTYPE  # re-exported by flashrec_core.layers
 from flashrec_kernels import FP8_MAX as FP8_MAX
-from flashrec_kernels import per_token_quant_fp8, per_token_quant_fp8_ref, quantize_rows_ref
+from flashrec_kernels import (
+    fp8_gemm,
+    per_token_quant_fp8,
+    per_token_quant_fp8_ref,
+    quantize_rows_ref,
+)
 
 
 class QuantizedActivation(NamedTuple):
@@ -37,8 +42,13 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    triton_rows: int = 0,
 ) -> torch.Tensor:
-    """y = (x_q * s_x) @ (w_q * s_w).T + b; `torch._scaled_mm` on CUDA, exact dequant elsewhere."""
+    """y = (x_q * s_x) @ (w_q * s_w).T + b: the Triton small-row GEMM for at most `triton_rows`
+    rows (decided at build time where Triton runs, BuildContext.small_gemm_rows), else
+    `torch._scaled_mm` on CUDA, exact dequant elsewhere."""
+    if x.data.shape[0] <= triton_rows:
+        return fp8_gemm(x.data, x.scale.reshape(-1), weight, weight_scale, bias, out_dtype)
     if weight.is_cuda and out_dtype in (torch.bfloat16, torch.float16):
         # NOTE: _scaled_mm wants a column-major second operand: weight.t() of a row-major weight.
         return torch._scaled_mm(

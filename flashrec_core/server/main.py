@@ -30,12 +30,14 @@ def serve(settings: ServerSettings) -> int:
     # there (EngineLoop.start). A second OpenMP team, made by loading with all threads on this
     # thread, leaves libgomp with more threads than cores: it then stops spin-waiting between
     # parallel regions, and every CPU op pays a wake-up (a CPU request took 28 ms instead of
-    # 18 ms on 2 cores; docs/serving.md).
+    # 18 ms on 2 cores; docs/serving.md). On CUDA the engine takes 1 (EngineConfig.host_threads).
     engine_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     logger.info("loading %s", settings.engine.model_path)
     engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
-    engine.loop.intra_op_threads = engine_threads
+    if engine.loop.intra_op_threads is None:  # on CPU: every core, captured before the load
+        engine.loop.intra_op_threads = engine_threads
+    logger.info("engine thread: %d CPU threads", engine.loop.intra_op_threads)
     engine.loop.admission_delay_factor = settings.admission_delay_factor
     for name, path in settings.catalogs.items():
         number = engine.add_catalog(name, path)[0].version  # keep no reference: it may be swapped

@@ -470,6 +470,33 @@ def test_background_thread_serves_and_stops(
         loop.submit(engine.make_request(prompt="w1", n=2))
 
 
+def test_generate_drives_the_loop_with_the_host_threads_and_puts_them_back(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a loop thread, `Engine.generate` drives the loop on the caller's thread with
+    EngineConfig.host_threads intra-op threads for that long, and restores the caller's count
+    (on CPU the default leaves them as they are)."""
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    engine = make_engine(checkpoint, host_threads=wanted)
+    assert make_engine(checkpoint).loop.intra_op_threads is None  # CPU: torch's default
+    seen: list[int] = []
+    real = engine.loop.run_once
+
+    def run_once() -> None:
+        seen.append(torch.get_num_threads())
+        real()
+
+    monkeypatch.setattr(engine.loop, "run_once", run_once)
+    try:
+        [result] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
+        assert len(result.choices) == 4
+        assert seen and set(seen) == {wanted}, seen
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_pool_of_what_the_budgets_can_use_never_runs_short(checkpoint: Path) -> None:
     """The KV pool sized by `workload_kv_tokens` (as CUDA engines are, when it is below their
     memory share) holds every request the budgets let in at once: the request table full of

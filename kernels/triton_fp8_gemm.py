@@ -5,13 +5,18 @@ runtime bound).
 The row tiles are the fastest grid axis, so the programs that read one column tile of the weights
 run side by side and share it through L2. The column tile is as wide as leaves at least one
 program per SM (`launch_config`): with few rows, the work is reading the weights, and every SM
-must stream its share of them. The launch configuration is a first guess, not yet timed on a
-GPU: scripts/bench_gemm.py sweeps it against `torch._scaled_mm`.
+must stream its share of them. That heuristic is a first guess, not yet timed on a GPU;
+scripts/bench_gemm.py sweeps launches against `torch._scaled_mm` and writes the fastest per
+weight shape and row count as a launch table, which this module reads for the GPU it runs on
+(`fp8_gemm_configs/<device name>.json`, as vLLM ships its tuned Triton GEMM configs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -19,7 +24,8 @@ import triton.language as tl
 
 from .triton_fp8 import cast_for_store
 
-__all__ = ["LaunchConfig", "launch_config", "launch_fp8_gemm"]
+__all__ = ["CONFIG_DIR", "LaunchConfig", "config_file", "launch_config", "launch_fp8_gemm",
+           "tuned_table"]  # fmt: skip
 
 _DEFAULT_SMS = 132  # an H100 SXM's SM count, for launches planned without a GPU (interpreter)
 
@@ -33,9 +39,54 @@ class LaunchConfig:
     num_stages: int = 4
 
 
-def launch_config(m: int, n: int, k: int, sms: int = _DEFAULT_SMS) -> LaunchConfig:
-    """Rows in tiles of 16-64 (one tile for a beam step of up to 64 rows); the widest column tile
-    (16-128) that still gives every SM a program; K in steps of up to 256 codes."""
+CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
+"""Launch tables timed on a GPU, one JSON file per device name (`config_file`), written by
+scripts/bench_gemm.py: {"N=4096,K=2048": {"50": {"block_m": 64, ...}, "150": {...}}, ...}, the
+fastest launch of each weight shape at each row count timed."""
+
+TunedTable = dict[tuple[int, int], list[tuple[int, LaunchConfig]]]
+
+
+def config_file(device_name: str) -> Path:
+    """The launch table of a GPU: its name with spaces as underscores, e.g.
+    NVIDIA_H100_80GB_HBM3.json."""
+    return CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def tuned_table(path: Path) -> TunedTable:
+    """{(N, K): [(rows, config), ...] by rows} from a launch table; {} when there is none."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a JSON launch table ({exc}); rewrite it with "
+                         "scripts/bench_gemm.py or delete it") from None  # fmt: skip
+    table: TunedTable = {}
+    for shape, by_rows in data.items():
+        try:
+            fields = dict(part.split("=") for part in shape.split(","))
+            key = (int(fields["N"]), int(fields["K"]))
+            table[key] = sorted((int(rows), LaunchConfig(**cfg)) for rows, cfg in by_rows.items())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"{path}: entry {shape!r} is not 'N=<out>,K=<in>' -> {{rows: {{block_m, block_n, "
+                f"block_k[, num_warps, num_stages]}}}} ({type(exc).__name__}: {exc})"
+            ) from None
+    return table
+
+
+def launch_config(
+    m: int, n: int, k: int, sms: int = _DEFAULT_SMS, table: TunedTable | None = None
+) -> LaunchConfig:
+    """The tuned launch of the smallest timed row count >= m for this weight shape (the largest
+    when m is beyond them all), when `table` has the shape. Else a heuristic: rows in tiles of
+    16-64 (one tile for a beam step of up to 64 rows); the widest column tile (16-128) that still
+    gives every SM a program; K in steps of up to 256 codes."""
+    tuned = (table or {}).get((n, k))
+    if tuned:
+        return next((cfg for rows, cfg in tuned if m <= rows), tuned[-1][1])
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     row_tiles = triton.cdiv(m, block_m)
     block_n = 16
@@ -94,13 +145,14 @@ def launch_fp8_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    sms = (
-        torch.cuda.get_device_properties(a.device).multi_processor_count
-        if a.is_cuda
-        else _DEFAULT_SMS
-    )
-    planned = launch_config(m, n, k, sms)
-    cfg = LaunchConfig(**{**planned.__dict__, **launch})
+    if a.is_cuda:
+        props = torch.cuda.get_device_properties(a.device)
+        planned = launch_config(
+            m, n, k, props.multi_processor_count, tuned_table(config_file(props.name))
+        )
+    else:
+        planned = launch_config(m, n, k)
+    cfg = LaunchConfig(**{**asdict(planned), **launch})
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _fp8_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else w_scale, out, m, n,

@@ -8,8 +8,9 @@ intermediate 6144) exactly as `fp8_linear` calls them (per-token activation scal
 weight scales, bf16 out) at row counts from a beam step of one n=50 request to a full prefill
 chunk, and reports TFLOP/s against the 8192^3 GEMM peak the roofline uses, and the time of a
 whole forward's GEMMs (28 layers); then, at a few small row counts, the Triton small-row GEMM
-(`flashrec_kernels.fp8_gemm`) with its default launch and a sweep of launches against it. Times
-are CUDA events (`triton.testing.do_bench`). Usage (on
+(`flashrec_kernels.fp8_gemm`) with its default launch and a sweep of launches against it, the
+fastest of each written as a launch table (`fp8_gemm_tuned.json`). Times are CUDA events
+(`triton.testing.do_bench`). Usage (on
 the GPU): python scripts/bench_gemm.py [OUT_DIR]
 """
 
@@ -84,6 +85,13 @@ def main() -> None:
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
+    tuned: dict[str, dict[str, dict]] = {}
+    for row in small:
+        for name in PROJECTIONS:
+            tuned.setdefault(row[name]["shape"], {})[str(row["rows"])] = row[name]["triton_best"]
+    # the launch table flashrec_kernels reads for this GPU once copied to
+    # kernels/fp8_gemm_configs/<name>.json (docs/development.md)
+    (out / "fp8_gemm_tuned.json").write_text(json.dumps(tuned, indent=1))
     (out / "bench_gemm.json").write_text(
         json.dumps(
             {
@@ -112,12 +120,18 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
     """`flashrec_kernels.fp8_gemm` at `rows` against `torch._scaled_mm`: each projection with the
     default launch and the fastest of SWEEP (its output checked against cuBLAS's first), and the
     forward's GEMM time with the faster of the two per projection."""
-    from flashrec_kernels import fp8_gemm
+    from dataclasses import asdict
 
+    from flashrec_kernels import fp8_gemm
+    from flashrec_kernels.triton_fp8_gemm import config_file, launch_config, tuned_table
+
+    props = torch.cuda.get_device_properties(DEV)
+    table = tuned_table(config_file(props.name))
     cublas = next((r for r in cublas_rows if r["rows"] == rows), None)
     row: dict = {"rows": rows}
     forward_best_us = 0.0
-    for name, (fan_in, _) in PROJECTIONS.items():
+    for name, (fan_in, fan_out) in PROJECTIONS.items():
+        default = asdict(launch_config(rows, fan_out, fan_in, props.multi_processor_count, table))
         x = _fp8(rows, fan_in)
         sx = torch.rand(rows, device=DEV) + 0.5
         w, sw = weights[name]
@@ -127,7 +141,7 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
         got = fp8_gemm(x, sx, w, sw).float()
         rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         default_us = _us_quick(lambda x=x, sx=sx, w=w, sw=sw: fp8_gemm(x, sx, w, sw))
-        best_us, best_cfg = default_us, "default"
+        best_us, best_cfg = default_us, default
         for cfg in SWEEP:
             try:
                 us = _us_quick(
@@ -137,13 +151,14 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
                 print(f"  {name} {cfg}: {type(exc).__name__}", flush=True)
                 continue
             if us < best_us:
-                best_us, best_cfg = us, cfg
+                best_us, best_cfg = us, {**default, **cfg}
         cublas_us = cublas[f"{name}_us"] if cublas else _us_quick(
             lambda x=x, sx=sx, w=w, sw=sw: torch._scaled_mm(
                 x, w.t(), scale_a=sx.view(-1, 1), scale_b=sw.view(1, -1), out_dtype=torch.bfloat16)
         )  # fmt: skip
         row[name] = {"cublas_us": round(cublas_us, 2), "triton_default_us": round(default_us, 2),
-                     "triton_best_us": round(best_us, 2), "triton_best": best_cfg,
+                     "triton_default": default, "triton_best_us": round(best_us, 2),
+                     "triton_best": best_cfg, "shape": f"N={fan_out},K={fan_in}",
                      "max_rel_diff_vs_cublas": rel}  # fmt: skip
         forward_best_us += min(cublas_us, best_us) * LAYERS
     row["forward_gemm_best_ms"] = round(forward_best_us / 1e3, 3)

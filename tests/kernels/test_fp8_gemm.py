@@ -123,3 +123,48 @@ def test_the_reference_is_the_engine_cpu_path() -> None:
     linear = fp8_linear(QuantizedActivation(a, a_scale.view(-1, 1)), w, w_scale, b, torch.bfloat16)
     assert_within_bound(linear, a, a_scale, w, w_scale, b)
     assert ref.dtype == linear.dtype == torch.bfloat16 and a.dtype == FP8_DTYPE
+
+
+def test_a_launch_table_timed_on_a_gpu_overrides_the_heuristic(tmp_path) -> None:
+    """scripts/bench_gemm.py's table (fp8_gemm_configs/<device>.json): the entry of the smallest
+    timed row count >= m for that weight shape (the largest beyond them); shapes it lacks keep
+    the heuristic; the file name is the device name with underscores."""
+    import json
+
+    from flashrec_kernels.triton_fp8_gemm import (
+        LaunchConfig,
+        config_file,
+        launch_config,
+        tuned_table,
+    )
+
+    path = tmp_path / "table.json"
+    small = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 5}
+    wide = {"block_m": 64, "block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 3}
+    path.write_text(json.dumps({"N=4096,K=2048": {"50": wide, "16": small}}))
+    table = tuned_table(path)
+    assert launch_config(1, 4096, 2048, table=table) == LaunchConfig(**small)
+    assert launch_config(17, 4096, 2048, table=table) == LaunchConfig(**wide)
+    assert launch_config(500, 4096, 2048, table=table) == LaunchConfig(**wide)
+    assert launch_config(50, 2048, 2048, table=table) == launch_config(50, 2048, 2048)
+    assert tuned_table(tmp_path / "absent.json") == {}
+    assert config_file("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not a JSON launch table"),
+        ('{"4096x2048": {"50": {}}}', "entry '4096x2048' is not 'N=<out>,K=<in>'"),
+        ('{"N=4096,K=2048": {"50": {"block_m": 16}}}', "entry 'N=4096,K=2048'"),
+        ('{"N=4096,K=2048": {"fifty": {}}}', "entry 'N=4096,K=2048'"),
+    ],
+)
+def test_a_broken_launch_table_is_named(tmp_path, text: str, message: str) -> None:
+    from flashrec_kernels.triton_fp8_gemm import tuned_table
+
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as err:
+        tuned_table(path)
+    assert str(path) in str(err.value)

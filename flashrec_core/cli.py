@@ -218,9 +218,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: a wave's whole prefill at once)",
     )  # fmt: skip
     p.add_argument(
-        "--fp8-gemm-triton-rows", type=int, default=0, metavar="R",
+        "--fp8-gemm-triton-rows", type=int, default=None, metavar="R",
         help="FP8 projections of at most R rows (small beam steps) through the Triton "
-        "small-row GEMM instead of cuBLAS (default 0: never)",
+        "small-row GEMM instead of cuBLAS; 0: never (default: as far as the GPU's launch "
+        "table measured it faster, cuBLAS without one)",
     )  # fmt: skip
     p.add_argument(
         "--host-threads", type=int, default=None, metavar="N",

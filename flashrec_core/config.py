@@ -77,12 +77,14 @@ class EngineConfig(BaseModel):
     one), so the waves in flight step between its pieces and a beam step waits for one piece of
     prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
     measured on a GPU: meant to lower the latency tail under load."""
-    fp8_gemm_triton_rows: int = Field(default=0, ge=0)
+    fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose
     row-wise-scaled kernels read the weights at ~20% of an H100's bandwidth at 50 rows
-    (scripts/bench_gemm.py). 0: never. Off by default until a device benchmark picks the row
-    count where it stops paying (docs/benchmarks.md, session 22). Needs Triton kernels and FP8."""
+    (scripts/bench_gemm.py). 0: never. None: per projection, the row count up to which the
+    GPU's launch table measured the kernel faster (`fp8_gemm_rows`; 0 without a table for this
+    GPU and shape, so cuBLAS everywhere until a table is committed). Needs Triton kernels and
+    FP8 weights, else 0."""
     host_threads: int | None = Field(default=None, ge=1)
     """torch intra-op (CPU) threads of the thread that runs the engine loop (the server's engine
     thread, or the caller of `Engine.generate` while it runs). None: 1 on CUDA, where that

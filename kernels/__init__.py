@@ -23,7 +23,7 @@ from .fp8 import (
     per_token_quant_fp8_ref,
     quantize_rows_ref,
 )
-from .fp8_gemm import fp8_gemm, fp8_gemm_ref
+from .fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_gemm_rows
 from .prefill_attention import prefill_attention, prefill_attention_ref, prefill_tiles
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
@@ -54,6 +54,7 @@ __all__ = [
     "beam_cascade_attention_ref",
     "fp8_gemm",
     "fp8_gemm_ref",
+    "fp8_gemm_rows",
     "gelu_tanh_mul_quant_fp8",
     "gelu_tanh_mul_quant_fp8_ref",
     "pack_keys",

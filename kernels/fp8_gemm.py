@@ -21,8 +21,9 @@ import torch
 
 from .device import check_triton_device
 from .fp8 import FP8_DTYPE
+from .fp8_gemm_tables import config_file, tuned_table
 
-__all__ = ["fp8_gemm", "fp8_gemm_ref"]
+__all__ = ["fp8_gemm", "fp8_gemm_ref", "fp8_gemm_rows"]
 
 _KERNEL = "fp8_gemm"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -76,3 +77,16 @@ def fp8_gemm(
     from .triton_fp8_gemm import launch_fp8_gemm
 
     return launch_fp8_gemm(a, a_scale, w, w_scale, bias, out_dtype, **launch)
+
+
+def fp8_gemm_rows(out_features: int, in_features: int, device: torch.device | str) -> int:
+    """Up to how many rows `fp8_gemm` is faster than `torch._scaled_mm` for a weight
+    [out_features, in_features] on `device`, as its GPU's launch table measured (`max_rows`,
+    flashrec_kernels.fp8_gemm_tables); 0 off CUDA or without a table for this GPU and shape."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    entry = tuned_table(config_file(torch.cuda.get_device_name(dev))).get(
+        (out_features, in_features)
+    )
+    return entry.max_rows if entry is not None else 0

@@ -13,68 +13,18 @@ weight shape and row count as a launch table, which this module reads for the GP
 
 from __future__ import annotations
 
-import functools
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 import torch
 import triton
 import triton.language as tl
 
+from .fp8_gemm_tables import LaunchConfig, TunedTable, config_file, tuned_table
 from .triton_fp8 import cast_for_store
 
-__all__ = ["CONFIG_DIR", "LaunchConfig", "config_file", "launch_config", "launch_fp8_gemm",
-           "tuned_table"]  # fmt: skip
+__all__ = ["launch_config", "launch_fp8_gemm"]
 
 _DEFAULT_SMS = 132  # an H100 SXM's SM count, for launches planned without a GPU (interpreter)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
-"""Launch tables timed on a GPU, one JSON file per device name (`config_file`), written by
-scripts/bench_gemm.py: {"N=4096,K=2048": {"50": {"block_m": 64, ...}, "150": {...}}, ...}, the
-fastest launch of each weight shape at each row count timed."""
-
-TunedTable = dict[tuple[int, int], list[tuple[int, LaunchConfig]]]
-
-
-def config_file(device_name: str) -> Path:
-    """The launch table of a GPU: its name with spaces as underscores, e.g.
-    NVIDIA_H100_80GB_HBM3.json."""
-    return CONFIG_DIR / f"{device_name.replace(' ', '_')}.json"
-
-
-@functools.cache
-def tuned_table(path: Path) -> TunedTable:
-    """{(N, K): [(rows, config), ...] by rows} from a launch table; {} when there is none."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path}: not a JSON launch table ({exc}); rewrite it with "
-                         "scripts/bench_gemm.py or delete it") from None  # fmt: skip
-    table: TunedTable = {}
-    for shape, by_rows in data.items():
-        try:
-            fields = dict(part.split("=") for part in shape.split(","))
-            key = (int(fields["N"]), int(fields["K"]))
-            table[key] = sorted((int(rows), LaunchConfig(**cfg)) for rows, cfg in by_rows.items())
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(
-                f"{path}: entry {shape!r} is not 'N=<out>,K=<in>' -> {{rows: {{block_m, block_n, "
-                f"block_k[, num_warps, num_stages]}}}} ({type(exc).__name__}: {exc})"
-            ) from None
-    return table
 
 
 def launch_config(
@@ -85,8 +35,8 @@ def launch_config(
     16-64 (one tile for a beam step of up to 64 rows); the widest column tile (16-128) that still
     gives every SM a program; K in steps of up to 256 codes."""
     tuned = (table or {}).get((n, k))
-    if tuned:
-        return next((cfg for rows, cfg in tuned if m <= rows), tuned[-1][1])
+    if tuned is not None and tuned.launches:
+        return next((cfg for rows, cfg in tuned.launches if m <= rows), tuned.launches[-1][1])
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     row_tiles = triton.cdiv(m, block_m)
     block_n = 16

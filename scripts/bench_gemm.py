@@ -85,13 +85,9 @@ def main() -> None:
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
-    tuned: dict[str, dict[str, dict]] = {}
-    for row in small:
-        for name in PROJECTIONS:
-            tuned.setdefault(row[name]["shape"], {})[str(row["rows"])] = row[name]["triton_best"]
     # the launch table flashrec_kernels reads for this GPU once copied to
-    # kernels/fp8_gemm_configs/<name>.json (docs/development.md)
-    (out / "fp8_gemm_tuned.json").write_text(json.dumps(tuned, indent=1))
+    # kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py)
+    (out / "fp8_gemm_tuned.json").write_text(json.dumps(launch_table(small), indent=1))
     (out / "bench_gemm.json").write_text(
         json.dumps(
             {
@@ -123,7 +119,8 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
     from dataclasses import asdict
 
     from flashrec_kernels import fp8_gemm
-    from flashrec_kernels.triton_fp8_gemm import config_file, launch_config, tuned_table
+    from flashrec_kernels.fp8_gemm_tables import config_file, tuned_table
+    from flashrec_kernels.triton_fp8_gemm import launch_config
 
     props = torch.cuda.get_device_properties(DEV)
     table = tuned_table(config_file(props.name))
@@ -164,6 +161,21 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
     row["forward_gemm_best_ms"] = round(forward_best_us / 1e3, 3)
     print(json.dumps(row), flush=True)
     return row
+
+
+def launch_table(small: list[dict]) -> dict[str, dict]:
+    """Each projection's fastest launch at each row count timed, and `max_rows`: the largest
+    row count up to which the kernel beat cuBLAS at every count timed (0: not at the smallest)."""
+    from flashrec_kernels.fp8_gemm_tables import faster_up_to
+
+    table: dict[str, dict] = {}
+    for name in PROJECTIONS:
+        timings = [(r["rows"], r[name]["triton_best_us"], r[name]["cublas_us"]) for r in small]
+        table[small[0][name]["shape"]] = {
+            "max_rows": faster_up_to(timings),
+            "launches": {str(r["rows"]): r[name]["triton_best"] for r in small},
+        }
+    return table
 
 
 def _us_quick(fn) -> float:

@@ -26,10 +26,11 @@ class BuildContext:
     """Whether the shared Triton kernels run here (the per-token FP8 quantizer of Linear inputs
     that no fused producer quantized, e.g. the attention output before o_proj)."""
 
-    small_gemm_rows: int = 0
+    small_gemm_rows: int | None = 0
     """FP8 Linear inputs of at most this many rows run through the Triton small-row GEMM
-    (`flashrec_kernels.fp8_gemm`); 0: never (EngineConfig.fp8_gemm_triton_rows, resolved to 0
-    where Triton kernels cannot run)."""
+    (`flashrec_kernels.fp8_gemm`); 0: never; None: per Linear, as far as the GPU's launch table
+    measured it faster for that weight shape (`fp8_gemm_rows`). From
+    EngineConfig.fp8_gemm_triton_rows, 0 where Triton kernels cannot run."""
 
     def kernel(self, path: str) -> Callable[..., Any] | None:
         """The kernel of an enabled fused path, or None when the eager fallback must run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from flashrec_kernels import fp8_gemm_rows
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
@@ -41,7 +42,10 @@ class Linear(nn.Module):
         self.out_dtype = ctx.dtype
         self.fp8 = ctx.fp8_linear if fp8 is None else fp8
         self.triton_quant = ctx.triton
-        self.small_gemm_rows = ctx.small_gemm_rows
+        rows = ctx.small_gemm_rows
+        if rows is None:  # as far as this GPU's launch table measured the kernel faster
+            rows = fp8_gemm_rows(self.out_features, in_features, ctx.device) if self.fp8 else 0
+        self.small_gemm_rows = rows
         shape = (self.out_features, in_features)
         w_dtype = FP8_DTYPE if self.fp8 else ctx.dtype
         self.weight = nn.Parameter(torch.empty(shape, dtype=w_dtype, device=ctx.device), False)

@@ -30,10 +30,13 @@ def _engine(path: Path, **settings: object) -> Engine:
     if not (path / "config.json").exists():
         write_tiny_checkpoint(path, spec.examples[0].hf_config, level_sizes=LEVELS)
         write_catalog(path / "c.json", random_codes(300, seed=5))
+    fields: dict[str, object] = {
+        "quantization": "fp8", "enable_fused_rms_fp8": False, "enable_fused_silu_fp8": False,
+        "enable_fused_qk_rope_kv": False, **settings,
+    }  # fmt: skip
     cfg = EngineConfig(
-        model_path=str(path), device="cpu", dtype="bfloat16", quantization="fp8",
-        show_progress=False, kv_cache_tokens=4096, enable_fused_rms_fp8=False,
-        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False, **settings,
+        model_path=str(path), device="cpu", dtype="bfloat16", show_progress=False,
+        kv_cache_tokens=4096, **fields,
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(path / "c.json")))
 
@@ -64,26 +67,18 @@ def test_searches_through_the_small_row_gemm_match_the_reference_gemm(
 
 @pytest.mark.parametrize(
     ("settings", "why"),
-    [({"triton_on_cpu": False}, "no Triton kernels here"), ({"quantization": "none"}, "BF16")],
+    [
+        ({"triton_on_cpu": False}, "no Triton kernels here"),
+        ({"quantization": "none"}, "BF16 weights"),
+        ({"fp8_gemm_triton_rows": None}, "the default: no launch table off CUDA"),
+    ],
 )
 def test_the_small_row_gemm_is_off_where_it_cannot_run(
     tmp_path: Path, settings: dict[str, object], why: str
 ) -> None:
-    """Without Triton kernels (a CPU engine outside the interpreter) or without FP8 weights the
-    setting resolves to 0: the engine builds and runs on its usual GEMM."""
-    fields = {"fp8_gemm_triton_rows": 64, "triton_on_cpu": True, **settings}
-    if fields.get("quantization") == "none":
-        fields.pop("quantization")
-        spec = Registry.discover().resolve("Qwen3ForCausalLM")
-        write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=LEVELS)
-        write_catalog(tmp_path / "c.json", random_codes(300, seed=5))
-        cfg = EngineConfig(
-            model_path=str(tmp_path), device="cpu", dtype="bfloat16", quantization="none",
-            show_progress=False, kv_cache_tokens=4096, **fields,
-        )  # fmt: skip
-        engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(tmp_path / "c.json")))
-    else:
-        engine = _engine(tmp_path, **fields)
+    """Without Triton kernels (a CPU engine outside the interpreter), without FP8 weights, or by
+    default without a GPU launch table the projections keep their usual GEMM; the engine runs."""
+    engine = _engine(tmp_path, **{"fp8_gemm_triton_rows": 64, "triton_on_cpu": True, **settings})
     assert _small_rows(engine) == {0}, why
     [result] = engine.generate([engine.make_request(prompt="user w1 w2 item", n=4)])
     assert len(result.choices) == 4

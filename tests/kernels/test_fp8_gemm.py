@@ -126,23 +126,23 @@ def test_the_reference_is_the_engine_cpu_path() -> None:
 
 
 def test_a_launch_table_timed_on_a_gpu_overrides_the_heuristic(tmp_path) -> None:
-    """scripts/bench_gemm.py's table (fp8_gemm_configs/<device>.json): the entry of the smallest
+    """scripts/bench_gemm.py's table (fp8_gemm_configs/<device>.json): the launch of the smallest
     timed row count >= m for that weight shape (the largest beyond them); shapes it lacks keep
     the heuristic; the file name is the device name with underscores."""
     import json
 
-    from flashrec_kernels.triton_fp8_gemm import (
-        LaunchConfig,
-        config_file,
-        launch_config,
-        tuned_table,
-    )
+    from flashrec_kernels.fp8_gemm_tables import LaunchConfig, ShapeTable, config_file, tuned_table
+    from flashrec_kernels.triton_fp8_gemm import launch_config
 
     path = tmp_path / "table.json"
     small = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 5}
     wide = {"block_m": 64, "block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 3}
-    path.write_text(json.dumps({"N=4096,K=2048": {"50": wide, "16": small}}))
+    entry = {"max_rows": 50, "launches": {"50": wide, "16": small}}
+    path.write_text(json.dumps({"N=4096,K=2048": entry}))
     table = tuned_table(path)
+    assert table == {
+        (4096, 2048): ShapeTable(50, ((16, LaunchConfig(**small)), (50, LaunchConfig(**wide))))
+    }
     assert launch_config(1, 4096, 2048, table=table) == LaunchConfig(**small)
     assert launch_config(17, 4096, 2048, table=table) == LaunchConfig(**wide)
     assert launch_config(500, 4096, 2048, table=table) == LaunchConfig(**wide)
@@ -151,17 +151,34 @@ def test_a_launch_table_timed_on_a_gpu_overrides_the_heuristic(tmp_path) -> None
     assert config_file("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
 
 
+def test_max_rows_ends_at_the_first_row_count_cublas_wins() -> None:
+    from flashrec_kernels.fp8_gemm_tables import faster_up_to
+
+    assert faster_up_to([(150, 9.0, 13.6), (16, 4.0, 13.0), (50, 5.0, 13.5)]) == 150
+    assert faster_up_to([(16, 4.0, 13.0), (50, 14.0, 13.5), (150, 9.0, 13.6)]) == 16
+    assert faster_up_to([(16, 13.0, 13.0)]) == 0 and faster_up_to([]) == 0
+
+
+def test_no_table_off_cuda_means_cublas_everywhere() -> None:
+    """`fp8_gemm_rows` (the engine's default row limit per projection): 0 without a GPU."""
+    from flashrec_kernels import fp8_gemm_rows
+
+    assert fp8_gemm_rows(4096, 2048, "cpu") == 0
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("{not json", "not a JSON launch table"),
-        ('{"4096x2048": {"50": {}}}', "entry '4096x2048' is not 'N=<out>,K=<in>'"),
-        ('{"N=4096,K=2048": {"50": {"block_m": 16}}}', "entry 'N=4096,K=2048'"),
-        ('{"N=4096,K=2048": {"fifty": {}}}', "entry 'N=4096,K=2048'"),
+        ('{"4096x2048": {"max_rows": 0, "launches": {}}}', "entry '4096x2048' is not 'N=<out>"),
+        ('{"N=4096,K=2048": {"max_rows": 0, "launches": {"50": {"block_m": 16}}}}', "TypeError"),
+        ('{"N=4096,K=2048": {"max_rows": 0, "launches": {"fifty": {}}}}', "ValueError"),
+        ('{"N=4096,K=2048": {"launches": {}}}', "KeyError: 'max_rows'"),
+        ('{"N=4096,K=2048": {"max_rows": -1, "launches": {}}}', "max_rows -1 < 0"),
     ],
 )
 def test_a_broken_launch_table_is_named(tmp_path, text: str, message: str) -> None:
-    from flashrec_kernels.triton_fp8_gemm import tuned_table
+    from flashrec_kernels.fp8_gemm_tables import tuned_table
 
     path = tmp_path / "bad.json"
     path.write_text(text)

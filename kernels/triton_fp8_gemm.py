@@ -52,7 +52,7 @@ def launch_config(
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N,
     stride_am, stride_wn, stride_om,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,7 +70,12 @@ def _fp8_gemm_kernel(
             k_ok = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)  # e4m3 x e4m3 -> fp32 (exact products)
+        # e4m3 x e4m3 -> fp32, exact products. Hopper's fp8 tensor cores sum in a narrower
+        # accumulator (~14 bits, DeepSeek-V3 report 3.3.2), and on sm_90 Triton's default keeps
+        # all of K there; at most 128 elements per fp32 promotion is what CUTLASS's precise FP8
+        # schedule does (torch._scaled_mm without use_fast_accum). 0 would be fp32 throughout
+        # but makes Triton give up wgmma for mma.sync (and spill); 128 keeps wgmma, no spills.
+        acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
@@ -108,6 +113,7 @@ def launch_fp8_gemm(
         a, a_scale, w, w_scale, bias if bias is not None else w_scale, out, m, n,
         a.stride(0), w.stride(0), out.stride(0),
         K=k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        IMPRECISE=min(128, cfg.block_k),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -40,6 +40,20 @@ async def _post(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float,
     return time.perf_counter() - start, r.status_code
 
 
+def _refusal(url: str, body: dict[str, Any], api_key: str | None) -> str:
+    """The status and error message the server gives `body` (its OpenAI-shaped error)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
+    except httpx.TransportError as exc:
+        return f"no answer ({type(exc).__name__}: {exc})"
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:300]
+    return f"{r.status_code}: {message}"
+
+
 def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -281,6 +295,12 @@ def run_server_bench(
     unloaded(url, singles[:2], api_key)  # warm-up, not counted
     # where one request's time goes: the server's latency, its queue / prefill / decode
     single = viewed(unloaded, singles[2:], api_key)
+    if single["single_request_p50_ms"] is None:  # nothing to measure: say why, not a bare None
+        raise RuntimeError(
+            f"the server refused every unloaded request; it answered one with "
+            f"{_refusal(url, singles[2], api_key)} (do the bench's --prompt-len, --level-sizes "
+            "and -n fit the served model and catalog?)"
+        )
     del single["seconds"]
     result.update(single)
     report(result)

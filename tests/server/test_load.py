@@ -251,3 +251,17 @@ def test_load_generator_counts_a_dead_server_as_errors() -> None:
                 open_loop(url, bodies, rate=100.0, processes=2)):  # fmt: skip
         assert (run["sent"], run["errors"], run["throughput_rps"]) == (6, 6, 0.0), run
         assert run["latency_p50_ms"] is None
+
+
+def test_bench_server_names_why_the_server_refused_its_requests(
+    server: ServerProcess, checkpoint: Path
+) -> None:
+    """Prompts longer than the served model takes: the bench stops at its first phase with the
+    server's own error message (it used to crash formatting a missing latency)."""
+    from flashrec_core.bench.load import run_server_bench
+
+    def prompts(run: int) -> list[list[int]]:
+        return [[5] * 100_000 for _ in range(4)]
+
+    with pytest.raises(RuntimeError, match=r"refused every unloaded request.*400: the prompt has"):
+        run_server_bench(server.url, prompts, 4, [], 2, api_key=API_KEY)

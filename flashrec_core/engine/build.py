@@ -131,10 +131,19 @@ def create_build_context(
     fp8 = cfg.quantization == "fp8"
     kernels, decisions = resolve_fused_paths(spec, cfg, fp8, kv_dtype)
     triton_ok, _ = triton_usable(cfg)
+    small_rows = cfg.fp8_gemm_triton_rows if triton_ok and fp8 else 0
     ctx = BuildContext(
         device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels,
-        triton=triton_ok, small_gemm_rows=cfg.fp8_gemm_triton_rows if triton_ok and fp8 else 0,
+        triton=triton_ok, small_gemm_rows=small_rows,
     )  # fmt: skip
+    logger.info(
+        "small-row FP8 GEMM: %s",
+        "per projection, as far as the GPU's launch table measured it faster"
+        if small_rows is None
+        else f"inputs of at most {small_rows} rows"
+        if small_rows
+        else "off",
+    )
     return ctx, decisions
 
 

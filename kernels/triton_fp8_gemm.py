@@ -13,6 +13,7 @@ weight shape and row count as a launch table, which this module reads for the GP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 
 import torch
@@ -91,6 +92,16 @@ def _fp8_gemm_kernel(
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _planned(m: int, n: int, k: int, cuda_index: int | None) -> LaunchConfig:
+    """`launch_config` for this GPU (its SM count and launch table), once per shape: an eager
+    step launches each projection's GEMM every layer, and this Python runs before each."""
+    if cuda_index is None:
+        return launch_config(m, n, k)
+    props = torch.cuda.get_device_properties(cuda_index)
+    return launch_config(m, n, k, props.multi_processor_count, tuned_table(config_file(props.name)))
+
+
 def launch_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, **launch: int,
@@ -100,14 +111,8 @@ def launch_fp8_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    if a.is_cuda:
-        props = torch.cuda.get_device_properties(a.device)
-        planned = launch_config(
-            m, n, k, props.multi_processor_count, tuned_table(config_file(props.name))
-        )
-    else:
-        planned = launch_config(m, n, k)
-    cfg = LaunchConfig(**{**asdict(planned), **launch})
+    planned = _planned(m, n, k, a.device.index if a.is_cuda else None)
+    cfg = LaunchConfig(**{**asdict(planned), **launch}) if launch else planned
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _fp8_gemm_kernel[grid](
         a, a_scale, w, w_scale, bias if bias is not None else w_scale, out, m, n,

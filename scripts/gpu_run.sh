@@ -138,6 +138,7 @@ serve_bench() {
   wait_ready 8123 || { stop_server $srv; tail -5 "$out/serve$tag.log"; return; }
   echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: ${envs[*]} $*)"
   grep -o "device memory: .*" "$out/serve$tag.log" | head -1
+  grep -o -E "engine thread: .*|small-row FP8 GEMM: .*" "$out/serve$tag.log" | sort -u
   # each phase sends 3-4x the concurrency, so the closed loop measures a steady state, not one
   # burst, and each open-loop rate runs long enough for a p99
   # SERVER_SPECS: N:REQUESTS:CONCURRENCY per phase; SERVER_RATES: the open-loop rates (fractions

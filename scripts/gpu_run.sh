@@ -271,7 +271,7 @@ for what in "${@:-tests}"; do
       ensure_checkpoint
       for spec in ${PROBE_N:-50:400 512:64}; do
         timeout "$(left)" python3 scripts/engine_thread_probe.py "$ck" "$out" -n "${spec%:*}" \
-          --requests "${spec#*:}" --concurrency "$(( ${spec#*:} ))","$(( 2 * ${spec#*:} ))" 2>&1 | grep "^{"
+          --requests "${spec#*:}" --concurrency "$(( ${spec#*:} )),$(( 2 * ${spec#*:} ))" 2>&1 | grep "^{"
       done ;;
     request-profile)  # one unloaded request: host time, GPU kernels, launches, blocking calls
       ensure_checkpoint

@@ -108,8 +108,14 @@ SWEEP = [
     dict(block_n=bn, block_k=bk, num_stages=st)
     for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)
 ]  # fmt: skip
-"""Launch configurations tried beside the default (`launch_config`); the row tile stays the
-default's (one tile up to 64 rows)."""
+"""Launch configurations tried beside the default (`launch_config`), with the default's row tile
+(one tile up to 64 rows)."""
+WIDE_ROWS_SWEEP = [
+    dict(block_m=128, block_n=bn, block_k=128, num_stages=st) for bn in (16, 32) for st in (3, 4)
+]  # fmt: skip
+"""Tried as well from 128 rows on: one 128-row tile reads each weight tile once, where 64-row
+tiles read it once per tile (from L2 at best). K steps of 128 only: at 256 a 128-row tile spills
+~10 KB a thread (sm_90 compile, session 22)."""
 
 
 def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
@@ -139,7 +145,7 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
         rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
         default_us = _us_quick(lambda x=x, sx=sx, w=w, sw=sw: fp8_gemm(x, sx, w, sw))
         best_us, best_cfg = default_us, default
-        for cfg in SWEEP:
+        for cfg in SWEEP + (WIDE_ROWS_SWEEP if rows >= 128 else []):
             try:
                 us = _us_quick(
                     lambda x=x, sx=sx, w=w, sw=sw, cfg=cfg: fp8_gemm(x, sx, w, sw, **cfg)

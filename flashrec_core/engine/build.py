@@ -136,14 +136,10 @@ def create_build_context(
         device=device, dtype=dtype, fp8_linear=fp8, kv_dtype=kv_dtype, fused=kernels,
         triton=triton_ok, small_gemm_rows=small_rows,
     )  # fmt: skip
-    logger.info(
-        "small-row FP8 GEMM: %s",
-        "per projection, as far as the GPU's launch table measured it faster"
-        if small_rows is None
-        else f"inputs of at most {small_rows} rows"
-        if small_rows
-        else "off",
-    )
+    if small_rows is None:
+        logger.info("small-row FP8 GEMM: per projection, as far as the GPU's launch table says")
+    else:
+        logger.info("small-row FP8 GEMM: %s", f"up to {small_rows} rows" if small_rows else "off")
     return ctx, decisions
 
 

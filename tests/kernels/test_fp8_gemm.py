@@ -119,7 +119,8 @@ def test_launch_config_gives_every_sm_a_program() -> None:
 
 
 def test_the_reference_is_the_engine_cpu_path() -> None:
-    """`fp8_linear` off CUDA (the CPU engine) computes what `fp8_gemm_ref` does."""
+    """`fp8_linear` off CUDA (the CPU engine) scales before it multiplies, `fp8_gemm_ref` after:
+    both are within the same bound of the exact product."""
     from flashrec_core.layers.quant import QuantizedActivation, fp8_linear
 
     a, a_scale, w, w_scale, b = operands(6, 32, 128, True)

@@ -6,7 +6,8 @@ Shapes (R beam rows of B requests, S own slots per row, page size 1):
     prefix_indptr  int32 [B + 1]; request b's prompt slots are prefix_indices[indptr[b]:indptr[b+1]]
     prefix_indices int32 [prefix_indptr[B]]; every request has at least one prompt slot
     row_indptr     int32 [B + 1]; request b's rows are q[row_indptr[b]:row_indptr[b+1]], in order
-    suffix         int32 [R, S]; row r's own slots (ancestors + the one written this step), S >= 1
+    suffix         int32 [R, S]; row r's own slots (ancestors + the one written this step), S >= 1;
+                   a negative entry is no slot (a row with fewer own slots than S pads with -1)
 For q head h (kv head h // (Hq // Hkv)) of row r of request b:
     o[r, h] = softmax_j(cap(sm_scale * q[r, h] . k[j])) @ v[j], j over prompt slots of b ∪ suffix[r]
 with cap(s) = s, or logit_softcap * tanh(s / logit_softcap) when a soft-cap is given;
@@ -130,16 +131,18 @@ def _request_ref(
     qf = q.float()
     kp = k_cache[prefix].float().repeat_interleave(group, dim=1)  # [P, Hq, D]
     vp = v_cache[prefix].float().repeat_interleave(group, dim=1)
-    ks = k_cache[suffix].float().repeat_interleave(group, dim=2)  # [n, S, Hq, D]
-    vs = v_cache[suffix].float().repeat_interleave(group, dim=2)
+    used = suffix.clamp(min=0)  # negative = no slot: masked below, any row can stand in
+    ks = k_cache[used].float().repeat_interleave(group, dim=2)  # [n, S, Hq, D]
+    vs = v_cache[used].float().repeat_interleave(group, dim=2)
     scores = torch.cat(
         [torch.einsum("nhd,phd->nhp", qf, kp), torch.einsum("nhd,nshd->nhs", qf, ks)], dim=-1
     )
     scores = scores * sm_scale
     if logit_softcap is not None:
         scores = logit_softcap * torch.tanh(scores / logit_softcap)
-    probs = torch.softmax(scores, dim=-1)  # [n, Hq, P + S]
     num_prefix = prefix.numel()
+    scores[..., num_prefix:].masked_fill_((suffix < 0)[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [n, Hq, P + S]
     return torch.einsum("nhp,phd->nhd", probs[..., :num_prefix], vp) + torch.einsum(
         "nhs,nshd->nhd", probs[..., num_prefix:], vs
     )

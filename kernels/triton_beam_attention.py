@@ -5,7 +5,7 @@ head kv_head * GROUP + m % GROUP, so every K/V tile gathered from the request's 
 q heads that share it, through one tl.dot. The program runs an online softmax (fp32 running max,
 sum and accumulator; exp2 with log2(e) folded into the scale) over the prompt slots in BLOCK_N
 chunks, then over each row's S own slots (per-row K/V vectors: elementwise products and row
-sums), then normalizes and stores bf16.
+sums; a negative slot is skipped), then normalizes and stores bf16.
 
 Split-KV. A step of few requests launches few programs (one 50-beam request: 8, one per kv head,
 on a 132-SM H200: 51 us a layer, each program walking the whole prompt). `num_splits` > 1 cuts
@@ -108,15 +108,22 @@ def _suffix_slot(
     q, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head, kc_stride_s, vc_stride_s,
     m_i, l_i, acc, qk_scale, cap_log2, D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Fold one own slot per packed row (each row its own K/V vector) into the running state."""
+    """Fold one own slot per packed row (each row its own K/V vector) into the running state.
+    A negative slot is no slot: rows of a shallower wave in a merged step have fewer own slots
+    than the suffix's width, and their unused columns hold -1 (weight 0, nothing loaded)."""
     offs_d = tl.arange(0, D)
-    slots = tl.load(slot_ptrs, mask=mask_m, other=0).to(tl.int64)  # [BLOCK_M]
-    k = tl.load(k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
+    slots = tl.load(slot_ptrs, mask=mask_m, other=-1).to(tl.int64)  # [BLOCK_M]
+    used = slots >= 0
+    slots = tl.where(used, slots, 0)
+    k = tl.load(k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :],
+                mask=used[:, None], other=0.0)  # fmt: skip
     s = _scores(tl.sum(q * k.to(tl.float32), axis=1), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M]
+    s = tl.where(used, s, float("-inf"))
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
-    v = tl.load(v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :])
+    v = tl.load(v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :],
+                mask=used[:, None], other=0.0)  # fmt: skip
     acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
     return m_new, l_i * alpha + p, acc
 

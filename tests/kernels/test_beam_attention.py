@@ -90,7 +90,7 @@ def _flat_attention_fp64(step: Step) -> torch.Tensor:
     for b in range(len(rows) - 1):
         prompt = step.prefix_indices[prefix[b] : prefix[b + 1]].tolist()
         for r in range(rows[b], rows[b + 1]):
-            slots = torch.tensor(prompt + step.suffix[r].tolist())
+            slots = torch.tensor(prompt + [j for j in step.suffix[r].tolist() if j >= 0])
             for h in range(hq):
                 keys, values = k[slots, h // group], v[slots, h // group]  # [P + S, D]
                 probs = torch.softmax(keys @ q[r, h] * step.sm_scale, dim=0)
@@ -153,6 +153,25 @@ def test_duplicated_slots_count_once_per_occurrence(device: torch.device) -> Non
         ref.cpu().double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5
     )
     _assert_kernel_matches_ref(beam_cascade_attention(*step.args()), ref, step)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_negative_suffix_entries_are_no_slot(splits: int, device: torch.device) -> None:
+    """A merged step's rows of shallower waves pad their own slots with -1: rows with 1, 2 and
+    3 real own slots in one launch equal attention over their real slots only (each request's
+    rows share one own-slot count, as waves never split a request)."""
+    from flashrec_kernels.triton_beam_attention import launch_beam_cascade_attention
+
+    step = _make_step([3, 2, 4], [20, 5, 33], 4, 2, 64, 3, FP8_DTYPE, device, seed=12)
+    step.suffix[:3, 1:] = -1  # request 0: level 1 (its own slot only)
+    step.suffix[3:5, 2:] = -1  # request 1: level 2
+    ref = beam_cascade_attention_ref(*step.args())
+    torch.testing.assert_close(
+        ref.cpu().double(), _flat_attention_fp64(step), rtol=2**-8, atol=1e-5
+    )
+    out = torch.full(step.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    launch_beam_cascade_attention(*step.args(), out, block_m=4, block_n=16, num_splits=splits)
+    _assert_kernel_matches_ref(out, ref, step)
 
 
 def test_small_tiles_cover_many_tiles_chunks_and_idle_programs(device: torch.device) -> None:
@@ -243,7 +262,7 @@ def _flat_softcapped_fp64(step: Step, cap: float) -> torch.Tensor:
     for b in range(len(rows) - 1):
         prompt = step.prefix_indices[prefix[b] : prefix[b + 1]].tolist()
         for r in range(rows[b], rows[b + 1]):
-            slots = torch.tensor(prompt + step.suffix[r].tolist())
+            slots = torch.tensor(prompt + [j for j in step.suffix[r].tolist() if j >= 0])
             for h in range(hq):
                 scores = k[slots, h // group] @ q[r, h] * step.sm_scale
                 probs = torch.softmax(cap * torch.tanh(scores / cap), dim=0)

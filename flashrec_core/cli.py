@@ -133,6 +133,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: the Triton small-row GEMM (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--host-threads", type=int, default=None, metavar="N",
                      help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--merge-beam-steps", action="store_true",
+                     help="with --engine: one forward for all waves' beam steps (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -228,6 +230,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads of the thread running the engine loop (default: 1 on CUDA, all "
         "cores on CPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--merge-beam-steps", action="store_true",
+        help="run the beam steps of all waves in flight as one model forward per loop "
+        "iteration (each wave keeps its own selection); eager steps only for now",
+    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -306,7 +313,7 @@ _ENGINE_FLAGS = {
     "prefill_graph_tokens": "prefill_graph_tokens", "prefill_chunk_tokens": "prefill_chunk_tokens",
     "prefill_attention": "prefill_attention",
     "prefill_tokens_per_step": "prefill_tokens_per_step", "host_threads": "host_threads",
-    "fp8_gemm_triton_rows": "fp8_gemm_triton_rows",
+    "fp8_gemm_triton_rows": "fp8_gemm_triton_rows", "merge_beam_steps": "merge_beam_steps",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -542,6 +549,8 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["host_threads"] = args.host_threads
     if args.fp8_gemm_triton_rows is not None:
         out["fp8_gemm_triton_rows"] = args.fp8_gemm_triton_rows
+    if args.merge_beam_steps:
+        out["merge_beam_steps"] = True
     return out
 
 

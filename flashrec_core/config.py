@@ -77,6 +77,11 @@ class EngineConfig(BaseModel):
     one), so the waves in flight step between its pieces and a beam step waits for one piece of
     prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
     measured on a GPU: meant to lower the latency tail under load."""
+    merge_beam_steps: bool = False
+    """The beam steps of all waves in flight run as one model forward per loop iteration
+    (rows of every wave, at whatever level, then each wave's own selection): under load the
+    weights are read once per iteration instead of once per wave (engine/beam_wave.py
+    `advance_together`). Not yet measured on a GPU, so off by default."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose

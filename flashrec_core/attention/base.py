@@ -80,19 +80,19 @@ class LayerGroups:
 def window_shared_prefix(sp: SharedPrefix, window: int | None) -> SharedPrefix:
     """The prompt level of a beam step as a layer with sliding window W sees it.
 
-    Every row of request b sits at position L_b + S - 1 (L_b prompt slots, S own slots, the
-    same S for every row), so it sees prompt positions L_b + S - W .. L_b - 1 and all its own
-    slots: one truncation per request, shared by its rows. Host-side index math; the indices
-    are gathered on their own device.
+    Every row of request b sits at position L_b + S_b - 1 (L_b prompt slots, S_b own slots, the
+    same S_b for every row of the request; a merged step's requests may differ), so it sees
+    prompt positions L_b + S_b - W .. L_b - 1 and all its own slots: one truncation per
+    request, shared by its rows. Host-side index math; the indices are gathered on their own
+    device.
     """
     if window is None:
         return sp
-    suffix = sp.suffix_kv_indptr
-    own = int(suffix[1] - suffix[0]) if suffix.numel() > 1 else 1
-    if own >= window:
+    own = request_own_slots(sp)
+    if own.numel() and int(own.max()) >= window:
         raise ValueError(
-            f"sliding window {window} <= {own} own slots of a beam row: the window must be "
-            "longer than the SID depth"
+            f"sliding window {window} <= {int(own.max())} own slots of a beam row: the window "
+            "must be longer than the SID depth"
         )
     ptr = sp.prefix_kv_indptr.to(torch.int64).cpu()
     lengths = ptr[1:] - ptr[:-1]
@@ -109,6 +109,18 @@ def window_shared_prefix(sp: SharedPrefix, window: int | None) -> SharedPrefix:
         sp.prefix_qo_indptr, new_ptr.to(sp.prefix_kv_indptr.dtype), indices,
         sp.suffix_kv_indptr, sp.suffix_kv_indices,
     )  # fmt: skip
+
+
+def request_own_slots(sp: SharedPrefix) -> torch.Tensor:
+    """Own slots per request (host int64 [B]): those of its first row (all its rows have as
+    many); 1 for a request without rows."""
+    rows = sp.prefix_qo_indptr.to(torch.int64).cpu()
+    per_row = sp.suffix_kv_indptr.to(torch.int64).cpu()
+    per_row = per_row[1:] - per_row[:-1]
+    first = rows[:-1].clamp(max=max(per_row.numel() - 1, 0))
+    has_rows = rows[1:] > rows[:-1]
+    own = per_row[first] if per_row.numel() else torch.ones_like(first)
+    return torch.where(has_rows, own, torch.ones_like(own))
 
 
 def graph_index_buffers(device: torch.device, **lengths: int) -> dict[str, torch.Tensor]:

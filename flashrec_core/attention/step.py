@@ -52,6 +52,23 @@ def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
     return torch.where(in_prefix, from_prefix, from_suffix)
 
 
+def dense_suffix(sp: SharedPrefix, width: int) -> torch.Tensor:
+    """Each row's own slots as a [R, width] tensor on the suffix indices' device, rows with
+    fewer than `width` padded with -1 (no slot: the beam kernel skips it). The lengths are read
+    from the host indptr, so no device sync; uniform rows are a view."""
+    ptr = sp.suffix_kv_indptr.to(torch.int64)
+    lens = ptr[1:] - ptr[:-1]
+    flat = sp.suffix_kv_indices
+    if lens.numel() == 0 or bool((lens == width).all()):
+        return flat.view(lens.numel(), width)
+    if int(lens.max()) > width:
+        raise ValueError(f"a row has {int(lens.max())} own slots, more than the width {width}")
+    col = torch.arange(width)
+    used = col < lens[:, None]  # host [R, width]
+    take = torch.where(used, ptr[:-1, None] + col, 0).to(flat.device, non_blocking=True)
+    return torch.where(used.to(flat.device, non_blocking=True), flat[take], -1)
+
+
 @dataclass(frozen=True)
 class StepInput:
     """Host-side description of one forward step over several sequences (built in prepare_*).

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
+from flashrec_core.attention.step import dense_suffix
 from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class BeamKernelGraph:
     num_requests: int
     num_rows: int
     buffers: tuple[dict[str, torch.Tensor], ...]
+    suffix_width: int | None = None
+    """Own-slot columns the captured kernel reads (rows with fewer pad with -1): a merged
+    step's graph serves waves at every level. None: the captured step's own (uniform) count."""
 
 
 class TritonBeamAttention:
@@ -81,14 +85,15 @@ class TritonBeamAttention:
         sp = step.shared_prefix
         if sp is None:
             return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
-        rows = step.out_cache_loc.numel()
-        suffix_len = sp.suffix_kv_indices.numel() // max(rows, 1)
+        per_row = sp.suffix_kv_indptr[1:] - sp.suffix_kv_indptr[:-1]  # host
+        widest = int(per_row.max()) if per_row.numel() else 1
+        width = graph.suffix_width if graph is not None and graph.suffix_width else widest
+        suffix = dense_suffix(sp, width)
         return BeamKernelPlan(
             tuple(
                 self._plan_group(
                     window_shared_prefix(sp, spec.sliding_window),
-                    rows,
-                    suffix_len,
+                    suffix,
                     None if graph is None else graph.buffers[g],
                     graph,
                 )  # fmt: skip
@@ -97,15 +102,16 @@ class TritonBeamAttention:
         )
 
     def _plan_group(
-        self, sp: SharedPrefix, rows: int, suffix_len: int,
+        self, sp: SharedPrefix, suffix: torch.Tensor,
         buf: dict[str, torch.Tensor] | None, graph: BeamKernelGraph | None,
     ) -> BeamKernelMetadata:  # fmt: skip
         dev = self.device
+        rows, suffix_len = suffix.shape
         parts = {
             "prefix_indptr": sp.prefix_kv_indptr.to(torch.int32),
             "prefix_indices": sp.prefix_kv_indices.to(dev, torch.int32),
             "row_indptr": sp.prefix_qo_indptr.to(torch.int32),
-            "suffix": sp.suffix_kv_indices.to(dev, torch.int32),
+            "suffix": suffix.to(dev, torch.int32).flatten(),
         }
         if buf is None or graph is None:
             widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync
@@ -127,7 +133,9 @@ class TritonBeamAttention:
             graph.num_rows // graph.num_requests,
         )
 
-    def graph_attention(self, num_requests: int, num_rows: int) -> BeamKernelGraph:
+    def graph_attention(
+        self, num_requests: int, num_rows: int, suffix_width: int | None = None
+    ) -> BeamKernelGraph:
         max_rows, max_prompt_slots, max_suffix = self.limits
         if self._graph_buffers is None:
             self._graph_buffers = tuple(
@@ -140,7 +148,7 @@ class TritonBeamAttention:
                 )  # fmt: skip
                 for _ in self.groups.specs
             )
-        return BeamKernelGraph(num_requests, num_rows, self._graph_buffers)
+        return BeamKernelGraph(num_requests, num_rows, self._graph_buffers, suffix_width)
 
     def prefill_graph_attention(self, num_sequences: int, max_tokens: int) -> Any:
         """Prefill runs in the wrapped backend, so do its graphs."""

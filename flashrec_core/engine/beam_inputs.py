@@ -3,6 +3,7 @@ decode step, the pad requests a CUDA-graph shape adds, and the per-request sampl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -147,6 +148,59 @@ def prepare_beam_decode(
         kv_indices=None,
         shared_prefix=shared,
     )
+
+
+def concat_beam_steps(steps: Sequence[StepInput]) -> StepInput:
+    """One beam step over the rows of several: each part's rows, requests, prompt slots and own
+    slots after the previous part's. The parts may be waves at different levels (a row's own
+    slots are its level's count, so the merged suffix is ragged: `dense_suffix`); one forward
+    then reads the weights once for all of them."""
+    if len(steps) == 1:
+        return steps[0]
+    shared = [s.shared_prefix for s in steps]
+    assert all(sp is not None for sp in shared), "beam steps carry their two-level view"
+    rows = sum(s.input_ids.numel() for s in steps)
+    return StepInput(
+        input_ids=torch.cat([s.input_ids for s in steps]),
+        positions=torch.cat([s.positions for s in steps]),
+        out_cache_loc=torch.cat([s.out_cache_loc for s in steps]),
+        qo_indptr=torch.arange(rows + 1, dtype=torch.int64),
+        kv_indptr=_chain([s.kv_indptr for s in steps]),
+        kv_indices=None,
+        shared_prefix=SharedPrefix(
+            prefix_qo_indptr=_chain([sp.prefix_qo_indptr for sp in shared]),
+            prefix_kv_indptr=_chain([sp.prefix_kv_indptr for sp in shared]),
+            prefix_kv_indices=torch.cat([sp.prefix_kv_indices for sp in shared]),
+            suffix_kv_indptr=_chain([sp.suffix_kv_indptr for sp in shared]),
+            suffix_kv_indices=torch.cat([sp.suffix_kv_indices for sp in shared]),
+        ),
+    )
+
+
+def pad_requests_step(num_pad: int, width: int, device: torch.device) -> StepInput:
+    """A beam step of `num_pad` pad requests of `width` rows: token 0 at position 0, one pad
+    slot of prompt each, every row reading and writing only the pad slot (`KVPool.PAD_SLOT`).
+    Appended to a merged step to reach a graph shape, or alone to capture one."""
+    rows = num_pad * width
+    pad = KVPool.PAD_SLOT
+    return prepare_beam_decode(
+        tokens=torch.zeros(rows, dtype=torch.int64, device=device),
+        positions=torch.zeros(rows, dtype=torch.int64, device=device),
+        prompts=torch.full((num_pad,), pad, dtype=torch.int64, device=device),
+        prompt_lens=torch.ones(num_pad, dtype=torch.int64),
+        row_request=torch.arange(num_pad).repeat_interleave(width),
+        history=torch.empty(rows, 0, dtype=torch.int64, device=device),
+        own=torch.full((rows,), pad, dtype=torch.int64, device=device),
+    )  # fmt: skip
+
+
+def _chain(indptrs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Host indptrs of consecutive parts as one: each part's offsets after the last's end."""
+    out, end = [indptrs[0]], int(indptrs[0][-1])
+    for ptr in indptrs[1:]:
+        out.append(ptr[1:] + end)
+        end += int(ptr[-1])
+    return torch.cat(out)
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

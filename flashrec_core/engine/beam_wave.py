@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from flashrec_core.config import triton_usable
-from flashrec_core.engine.beam_inputs import NoiseSource, StepShape, prepare_beam_decode
+from flashrec_core.engine.beam_inputs import (
+    NoiseSource,
+    StepShape,
+    concat_beam_steps,
+    prepare_beam_decode,
+)
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
 from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
@@ -82,6 +87,19 @@ class WaveState:
     prefill: PrefillProgress | None = None  # the prefill's forwards still to run (begin)
 
 
+@dataclass(frozen=True)
+class _StepParts:
+    """One wave's part of a beam step: its inputs, and what updating the wave after the
+    selection reads."""
+
+    step: StepInput
+    beams: BeamLayout  # the rows selection covers, pad requests included
+    sel: Selection  # the parents: last step's selection, padded
+    own: torch.Tensor  # [rows] the slot each row writes now
+    history: torch.Tensor  # [rows, level - 1] its ancestors' slots
+    padded: int | None  # request count of the graph shape it replays, or None: eager
+
+
 @dataclass
 class PrefillProgress:
     """A wave's prefill between `prefill_some` calls: the forwards still to run (prompt pieces,
@@ -127,6 +145,13 @@ class BeamWave:
         """CUDA graphs of small prefills' forwards; None when prefills always run eagerly."""
         self.prefill_chunk_tokens = prefill_chunk_tokens(ecfg, self.prefill_graphs)
         """A prefill's most new tokens per forward (0: one forward per wave)."""
+        self.merge_steps = ecfg.merge_beam_steps and (
+            self.graphs is None or runner.beam_attention == "triton"
+        )
+        """Waves in flight share one forward per beam step (`step_groups`). With CUDA graphs
+        that needs the Triton beam kernel, whose graphs take rows of every level in one
+        shape (negative own slots); the FlashInfer cascade's do not, so there it is off."""
+        self.max_rows = ecfg.max_wave_rows
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()
         self._eager_padding: Callable[[list[int]], int] | None = None  # see eager_steps
@@ -414,10 +439,68 @@ class BeamWave:
 
     def advance(self, state: WaveState) -> None:
         """One beam step (level state.level), by graph replay where the wave's shape allows."""
+        parts = self._step_parts(state, pad=True)
+        if self.graphs is not None and parts.padded is not None:
+            sel = self.graphs.run(
+                state.level, parts.step, parts.sel.score, parts.sel.node, parts.beams,
+                state.variant, state.masks,
+            )  # fmt: skip
+        else:
+            if self.graphs is not None:
+                self.graphs.count_eager(1)
+            sel = self._select_step(state, parts, self.runner.forward(parts.step))
+        self._advanced(state, parts, sel)
+
+    def advance_together(self, states: Sequence[WaveState]) -> None:
+        """One beam step of every wave in `states` (a group of `step_groups`) through one model
+        forward over all their rows, then each wave's own selection on its rows: the weights
+        are read once per iteration, not once per wave (each forward of a few rows is bound by
+        that read). The waves may be at different levels."""
+        if len(states) == 1:
+            self.advance(states[0])
+            return
+        parts = [self._step_parts(state, pad=False) for state in states]
+        step = concat_beam_steps([p.step for p in parts])
+        hidden = None
+        if self.graphs is not None:  # one width per group when graphs run (`step_groups`)
+            width = states[0].requests[0].n
+            hidden = self.graphs.forward(step, width, self.depth - 1)
+        if hidden is None:
+            hidden = self.runner.forward(step)
+        start = 0
+        for state, p in zip(states, parts):
+            rows = p.beams.num_rows
+            sel = self._select_step(state, p, hidden[start : start + rows])
+            start += rows
+            self._advanced(state, p, sel)
+
+    def step_groups(self, states: Sequence[WaveState]) -> list[list[int]]:
+        """The waves (indices into `states`) whose beam steps share a forward: with
+        `merge_steps`, waves in order while their rows fit `max_wave_rows` together (the
+        activations and graph buffers are sized for that), and with CUDA graphs only waves of
+        one n (a forward graph's requests all have one width); else each wave alone."""
+        if not self.merge_steps:
+            return [[i] for i in range(len(states))]
+        groups: list[list[int]] = []
+        open_groups: dict[int, tuple[list[int], int]] = {}  # key -> (group, its rows)
+        for i, state in enumerate(states):
+            wave_rows = sum(r.n for r in state.requests)
+            key = state.requests[0].n if self.graphs is not None else 0
+            group, rows = open_groups.get(key, ([], 0))
+            if not group or rows + wave_rows > self.max_rows:
+                group, rows = [], 0
+                groups.append(group)
+            group.append(i)
+            open_groups[key] = (group, rows + wave_rows)
+        return groups
+
+    def _step_parts(self, state: WaveState, pad: bool) -> _StepParts:
+        """The wave's inputs of its next beam step; with `pad`, padded to the graph shape it
+        replays (if any)."""
         assert state.sel is not None and 0 < state.level < self.depth, "a wave in flight"
         level, real = state.level, state.layout
         widths = [r.n for r in state.requests]
-        padded = self._padded_requests(widths, state.noise.sampling, state.masks)
+        padded = self._padded_requests(widths, state.noise.sampling, state.masks) if pad else None
         num_pad = (padded - len(widths)) if padded is not None else 0
         shape = state.shapes.get(num_pad)
         if shape is None:
@@ -426,31 +509,31 @@ class BeamWave:
                 widths, prompt_lens, state.prompts, num_pad, self.runner.device
             )
             state.shapes[num_pad] = shape
-        beams, pad = shape.beams if num_pad else real, shape.pad
-        sel = pad.selection(state.sel)
-        own = pad.slots(state.device_slots[:, level - 1])
-        history = pad.slots(state.history)
+        pad_rows = shape.pad
+        own = pad_rows.slots(state.device_slots[:, level - 1])
+        history = pad_rows.slots(state.history)
         step = prepare_beam_decode(
-            tokens=self.sid.level_starts[level - 1] + pad.slots(state.codes[:, -1], 0),
+            tokens=self.sid.level_starts[level - 1] + pad_rows.slots(state.codes[:, -1], 0),
             positions=shape.row_prompt_len + level - 1, prompts=shape.prompts,
             prompt_lens=shape.prompt_lens, row_request=shape.row_request, history=history,
             own=own,
         )  # fmt: skip
-        if self.graphs is not None and padded is not None:
-            sel = self.graphs.run(
-                level, step, sel.score, sel.node, beams, state.variant, state.masks
-            )
-        else:
-            if self.graphs is not None:
-                self.graphs.count_eager(1)
-            hidden = self.runner.forward(step)
-            sel = self._select(
-                hidden, level, sel.score, sel.node, beams, beams, state.noise, state.masks,
-                state.trie,
-            )  # fmt: skip
-        rows = real.num_rows  # real rows come first and never pick a pad row as parent
+        beams = shape.beams if num_pad else real
+        return _StepParts(step, beams, pad_rows.selection(state.sel), own, history, padded)
+
+    def _select_step(self, state: WaveState, parts: _StepParts, hidden: torch.Tensor) -> Selection:
+        return self._select(
+            hidden, state.level, parts.sel.score, parts.sel.node, parts.beams, parts.beams,
+            state.noise, state.masks, state.trie,
+        )  # fmt: skip
+
+    def _advanced(self, state: WaveState, parts: _StepParts, sel: Selection) -> None:
+        """The wave after its step's selection `sel` (pad rows dropped): every beam's history,
+        codes and path scores follow its parent."""
+        level = state.level
+        rows = state.layout.num_rows  # real rows come first and never pick a pad row as parent
         parent = sel.parent[:rows]
-        state.history = torch.cat([history, own[:, None]], dim=1)[parent]
+        state.history = torch.cat([parts.history, parts.own[:, None]], dim=1)[parent]
         state.codes = torch.cat([state.codes[parent], sel.code[:rows, None]], dim=1)
         state.path_scores = torch.cat([state.path_scores[parent], sel.score[:rows, None]], dim=1)
         state.sel = Selection(parent, sel.code[:rows], sel.node[:rows], sel.score[:rows])

@@ -31,10 +31,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
+from flashrec_core.engine.beam_inputs import concat_beam_steps, pad_requests_step
 from flashrec_core.search.beam import BeamLayout, Selection
 from flashrec_core.search.filters import FilterMasks
 from flashrec_core.search.selector import BeamSelector
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger("flashrec")
+T = TypeVar("T")
 
 MASK_BUFFER_BYTES = 1 << 30
 """Largest filter-mask buffer (one per catalog version, level and width) a graph may read; a
@@ -87,6 +89,17 @@ class GraphStats:
     captures: int = 0
     capture_seconds: float = 0.0
     eager_reasons: Counter[str] = field(default_factory=Counter)
+    forward_replays: int = 0  # merged steps' forwards replayed
+    eager_forwards: int = 0  # merged steps' forwards run eagerly (no shape, capture failed)
+
+
+@dataclass
+class _ForwardGraph:
+    """A merged beam step's model forward (no selection) at one padded shape."""
+
+    graph: torch.cuda.CUDAGraph
+    attention: GraphAttention
+    hidden: torch.Tensor  # the captured output [padded rows, hidden]
 
 
 @dataclass
@@ -113,6 +126,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int, int, bool], _StepGraph] = {}
         self._failed: dict[tuple[int, int, int, int, bool], str] = {}  # why capture failed
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
+        self._forwards: dict[tuple[int, int], _ForwardGraph] = {}  # (requests, width)
+        self._forward_failed: dict[tuple[int, int], str] = {}
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -161,9 +176,7 @@ class DecodeGraphs:
         reason = self._eager_reason
         self.stats.eager_steps += steps
         self.stats.eager_reasons[reason] += steps
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("beam steps run eagerly, without CUDA graphs: %s", reason)
+        self._log_once(f"beam steps run eagerly, without CUDA graphs: {reason}")
 
     def run(
         self, level: int, step: StepInput, score: torch.Tensor, node: torch.Tensor,
@@ -183,6 +196,105 @@ class DecodeGraphs:
         """The same step, same buffers and plan, executed eagerly instead of replayed: the
         reference a replay must equal exactly (tests)."""
         return self._step(level, step, score, node, layout, False, variant, masks)
+
+    def forward(self, step: StepInput, width: int, suffix_width: int) -> torch.Tensor | None:
+        """Hidden states of a merged beam step (`BeamWave.advance_together`: requests of
+        `width` rows, each row at most `suffix_width` own slots) by replay of the forward graph
+        of its padded request count, captured on first use; None (counted, logged once) when
+        no shape fits or its capture failed: the caller runs the forward eagerly. The result
+        is a view of the graph's output, valid until the next replay."""
+        sp = step.shared_prefix
+        assert sp is not None, "a beam step"
+        num_requests, rows = sp.prefix_qo_indptr.numel() - 1, step.input_ids.numel()
+        padded, why = graph_padding([width] * num_requests, False, self.max_rows)
+        if rows != num_requests * width:
+            padded, why = None, "a merged step of waves of different n"
+        key = (padded or 0, width)
+        if padded is not None and key in self._forward_failed:
+            padded, why = None, self._forward_failed[key]
+        if padded is None:
+            self.stats.eager_forwards += 1
+            self._log_once(f"merged beam steps run their forward eagerly: {why}")
+            return None
+        if padded > num_requests:
+            pads = pad_requests_step(padded - num_requests, width, self.runner.device)
+            step = concat_beam_steps([step, pads])
+        graph = self._forwards.get(key)
+        with torch.inference_mode():
+            self._copy_inputs(step)
+            if graph is None:
+                try:
+                    graph = self._capture_forward(key, step, suffix_width)
+                except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
+                    self._forward_failed[key] = f"capture of {key[0]} x {key[1]} failed: {exc}"
+                    return self.forward(step, width, suffix_width)
+            else:
+                self.runner.attn_backend.plan(step, graph=graph.attention)
+            graph.graph.replay()
+        self.stats.forward_replays += 1
+        return graph.hidden[:rows]
+
+    def capture_forwards(self, width: int, counts: list[int], suffix_width: int) -> None:
+        """Capture the merged-step forward graphs of `width` at `counts` requests (largest
+        first, as `warm_counts` orders them) from steps of pad requests only, so traffic replays
+        them (the server's warm-up)."""
+        for count in counts:
+            if (count, width) not in self._forwards:
+                step = pad_requests_step(count, width, self.runner.device)
+                self.forward(step, width, suffix_width)
+
+    def _copy_inputs(self, step: StepInput) -> None:
+        rows = step.input_ids.numel()
+        self._ids[:rows].copy_(step.input_ids, non_blocking=True)
+        self._pos[:rows].copy_(step.positions, non_blocking=True)
+        self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
+
+    def _capture_forward(
+        self, key: tuple[int, int], step: StepInput, suffix_width: int
+    ) -> _ForwardGraph:
+        num_requests, width = key
+        rows = num_requests * width
+        start = time.perf_counter()
+        attention = self.runner.attn_backend.graph_attention(
+            num_requests, rows, suffix_width=suffix_width
+        )
+        metadata = self.runner.attn_backend.plan(step, graph=attention)
+
+        def body() -> torch.Tensor:
+            return self.runner.forward_batch(
+                self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
+            )
+
+        graph, hidden = self._record(body)
+        captured = _ForwardGraph(graph, attention, hidden)
+        self._forwards[key] = captured
+        self._note_capture(start, f"merged beam-step forward: {num_requests} requests x {width}")
+        return captured
+
+    def _record(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Capture `body` into a graph of the shared pool, after one run outside it (Triton
+        compiles, cuBLAS picks its algorithms; it writes the same K/V the replay writes, so it
+        is harmless). Returns the graph and the captured output."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = body()
+        return graph, output
+
+    def _note_capture(self, start: float, what: str) -> None:
+        seconds = time.perf_counter() - start
+        self.stats.captures += 1
+        self.stats.capture_seconds += seconds
+        logger.info("captured %s, in %.2f s", what, seconds)
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.warning(message)
 
     def forget(self, variant_key: int) -> None:
         """Drop the graphs and mask buffers of a variant (a catalog version no request uses
@@ -224,9 +336,7 @@ class DecodeGraphs:
             )
         graph = self._graphs.get(key)
         with torch.inference_mode():
-            self._ids[:rows].copy_(step.input_ids, non_blocking=True)
-            self._pos[:rows].copy_(step.positions, non_blocking=True)
-            self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
+            self._copy_inputs(step)
             self._score[:rows].copy_(score)
             self._node[:rows].copy_(node)
             graph_masks = (
@@ -270,23 +380,13 @@ class DecodeGraphs:
                 None, masks,
             )  # fmt: skip
 
-        # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
-        # same K/V the replay writes, so it is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = body()
+        graph, output = self._record(body)
         captured = _StepGraph(graph, attention, layout, output, body)
         self._graphs[key] = captured
-        self.stats.captures += 1
-        seconds = time.perf_counter() - start
-        self.stats.capture_seconds += seconds
-        logger.info(
-            "captured beam step: level %d, %d requests x %d beams%s, in %.2f s",
-            level, num_requests, layout.max_width, ", filtered" if filtered else "", seconds,
-        )  # fmt: skip
+        filtered_note = ", filtered" if filtered else ""
+        self._note_capture(
+            start,
+            f"beam step: level {level}, {num_requests} requests x {layout.max_width} beams"
+            f"{filtered_note}",
+        )
         return captured

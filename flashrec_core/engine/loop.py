@@ -4,7 +4,8 @@ gets a handle with a future.
 Work runs in iterations, each a step boundary:
 1. retire: requests cancelled or past their deadline leave their wave (rows, KV slots, table
    rows and prefix-cache locks are handed back) or the queue;
-2. step: every wave in flight runs one beam step; a wave whose last step ran hands its KV back
+2. step: every wave in flight runs one beam step (with `merge_beam_steps`, all of them through
+   one model forward: `BeamWave.step_groups`); a wave whose last step ran hands its KV back
    at once and starts the copy of its beams to the host;
 3. admit: queued requests form a new wave (KV allocated, prefill, first selection) under the
    beam-row, request-table and KV-slot budgets, which include the KV just handed back;
@@ -140,6 +141,8 @@ class EngineLoop:
         self._iterations = 0
         self._waves_admitted = 0
         self._prefill_pieces = 0
+        self._beam_steps = 0
+        self._beam_forwards = 0
         self._requests_admitted = 0
         self._busy_s = 0.0
         self._cpu_s = 0.0
@@ -240,6 +243,8 @@ class EngineLoop:
             waves_admitted=self._waves_admitted,
             requests_admitted=self._requests_admitted,
             prefill_pieces=self._prefill_pieces,
+            beam_steps=self._beam_steps,
+            beam_forwards=self._beam_forwards,
             busy_seconds=self._busy_s,
             cpu_seconds=self._cpu_s,
             kv_slots_used=self._kv_used(),
@@ -320,8 +325,9 @@ class EngineLoop:
             self._run_tasks()
             now, cpu = time.monotonic(), time.thread_time()
             self._retire(now)
-            for wave in list(self._waves):
-                self._advance(wave)
+            waves = list(self._waves)
+            for group in self.wave.step_groups([w.state for w in waves]):
+                self._advance([waves[i] for i in group])
             self._admit(now)
             self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # the iteration's most
             self._deliver()
@@ -488,25 +494,36 @@ class EngineLoop:
         with self._cv:
             self._queue.extendleft(reversed(handles))
 
-    def _advance(self, wave: _Wave) -> None:
+    def _advance(self, waves: list[_Wave]) -> None:
+        """One beam step of `waves` (one forward when several: `BeamWave.step_groups`); a
+        failure fails every wave of the step."""
         try:
-            self.wave.advance(wave.state)
+            self.wave.advance_together([w.state for w in waves])
         except torch.OutOfMemoryError:
             _release_cached_blocks()
-            rows = sum(h.request.n for h in wave.handles)
-            self._fail_wave(wave, DeviceMemoryError(
-                f"the device ran out of memory in a beam step of {len(wave.handles)} requests "
-                f"({rows} beam rows) beside {len(self._waves) - 1} other waves; retry, or "
-                "lower --max-wave-rows or --mem-fraction to leave room for activations",
+            requests = sum(len(w.handles) for w in waves)
+            rows = sum(h.request.n for w in waves for h in w.handles)
+            error = DeviceMemoryError(
+                f"the device ran out of memory in a beam step of {requests} requests "
+                f"({rows} beam rows) beside {len(self._waves) - len(waves)} other waves; retry, "
+                "or lower --max-wave-rows or --mem-fraction to leave room for activations",
                 None, retry=True,
-            ))  # fmt: skip
+            )  # fmt: skip
+            for wave in waves:
+                self._fail_wave(wave, error)
             return
         except Exception as exc:
-            logger.exception("a beam step of %d requests failed", len(wave.handles))
-            self._fail_wave(wave, exc)
+            logger.exception(
+                "a beam step of %d requests failed", sum(len(w.handles) for w in waves)
+            )
+            for wave in waves:
+                self._fail_wave(wave, exc)
             return
-        if wave.state.level >= self.wave.depth:
-            self._finish(wave)
+        self._beam_steps += len(waves)
+        self._beam_forwards += 1
+        for wave in waves:
+            if wave.state.level >= self.wave.depth:
+                self._finish(wave)
 
     def _fail_wave(self, wave: _Wave, exc: Exception) -> None:
         """Take a wave out of flight, hand its KV back, fail its requests with `exc` (those

@@ -74,6 +74,15 @@ class _EngineCollector(Collector):
                 "after their wave's admission, the waves in flight stepping in between",
                 s.prefill_pieces,
             ),
+            "engine_beam_steps": (
+                "beam steps of waves (one per wave in flight per iteration)",
+                s.beam_steps,
+            ),
+            "engine_beam_forwards": (
+                "model forwards that ran the beam steps (fewer than the steps with "
+                "--merge-beam-steps: the waves in flight share one)",
+                s.beam_forwards,
+            ),
             "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),
             "engine_cpu_seconds": (
                 "engine-thread CPU seconds inside iterations (busy less this: waiting for the "

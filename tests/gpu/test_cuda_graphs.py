@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
+from flashrec_core.engine.beam_inputs import concat_beam_steps
 from flashrec_core.engine.beam_wave import PrefillProgress, prepare_beam_decode
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.model_runner import prepare_prefill
@@ -47,20 +48,19 @@ def engine(engine_and_hf) -> Engine:
     return engine_and_hf[0]
 
 
-def _step(engine: Engine, layout: BeamLayout, seed: int):
-    """A beam step at level 2 over random (valid) slots, positions, scores and trie nodes."""
+def _step(engine: Engine, layout: BeamLayout, seed: int, level: int = 2, first_own: int = 2000):
+    """A beam step at `level` over random (valid) slots, positions, scores and trie nodes."""
     gen = torch.Generator().manual_seed(seed)
     dev = engine.runner.device
     rows, reqs = layout.num_rows, layout.widths.numel()
     prompt_lens = torch.randint(3, 9, (reqs,), generator=gen)
     prompts = torch.randint(1, 1000, (int(prompt_lens.sum()),), generator=gen).to(dev)
-    history = torch.randint(1000, 2000, (rows, 1), generator=gen).to(dev)
-    own = torch.arange(2000, 2000 + rows, device=dev)
-    level = 2
-    codes = torch.randint(0, LEVELS[1], (rows,), generator=gen).to(dev)
+    history = torch.randint(1000, 2000, (rows, level - 1), generator=gen).to(dev)
+    own = torch.arange(first_own, first_own + rows, device=dev)
+    codes = torch.randint(0, LEVELS[level - 1], (rows,), generator=gen).to(dev)
     step = prepare_beam_decode(
-        tokens=engine.layout.level_starts[1] + codes,
-        positions=prompt_lens.to(dev)[layout.row_request] + 1, prompts=prompts,
+        tokens=engine.layout.level_starts[level - 1] + codes,
+        positions=prompt_lens.to(dev)[layout.row_request] + level - 1, prompts=prompts,
         prompt_lens=prompt_lens, row_request=layout.row_request.cpu(), history=history, own=own,
     )  # fmt: skip
     score = -torch.rand(rows, generator=gen).to(dev) * 5
@@ -256,3 +256,78 @@ def test_filtered_waves_replay_graphs_and_return_only_allowed_items(engine_and_h
             assert c.items and not set(c.items) & gone, f"{c.items} holds an excluded item"
             exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
             assert abs(c.logprob - exact) < BF16_BOUND
+
+
+@pytest.fixture(scope="module")
+def merged_engine_and_hf(tmp_path_factory: pytest.TempPathFactory):
+    """The "triton" engine of `engine_and_hf` with merge_beam_steps: the waves in flight share
+    one forward graph per iteration."""
+    spec = Registry.discover().resolve("Qwen3ForCausalLM")
+    path = tmp_path_factory.mktemp("merged")
+    hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
+    catalog = write_catalog(path / "c.json", random_codes(400, seed=3))
+    cfg = EngineConfig(
+        model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
+        max_wave_rows=256, quantization="none", beam_attention="triton",
+        prefill_attention="triton", merge_beam_steps=True,
+    )  # fmt: skip
+    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf
+
+
+def test_a_merged_forward_replays_its_graph_like_the_eager_forward(merged_engine_and_hf) -> None:
+    """Waves at levels 1 and 2 (2 + 3 requests of 8 rows, padded to a 8-request graph): the
+    replayed forward equals the same merged step run eagerly up to bf16 rounding of GEMMs of
+    another row count (as the prefill test above), and one capture serves later replays."""
+    engine, _ = merged_engine_and_hf
+    graphs, dev = engine.wave.graphs, engine.runner.device
+    assert graphs is not None and engine.wave.merge_steps
+    captures, replays = graphs.stats.captures, graphs.stats.forward_replays
+    for seed in range(2):
+        parts = [
+            _step(engine, BeamLayout.create([8] * 2, dev), seed, level=1, first_own=2000),
+            _step(engine, BeamLayout.create([8] * 3, dev), seed + 5, level=2, first_own=2100),
+        ]
+        step = concat_beam_steps([p[1] for p in parts])
+        replayed = graphs.forward(step, 8, len(LEVELS) - 1)
+        assert replayed is not None and replayed.shape[0] == 40
+        replayed = replayed.clone()
+        eager = engine.runner.forward(step)
+        assert (replayed.float() - eager.float()).abs().max() < 0.05 * eager.abs().max()
+    assert graphs.stats.captures - captures == 1
+    assert graphs.stats.forward_replays - replays == 2
+
+
+def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
+    """Requests joining every iteration (waves at levels 1 and 2 in flight), one filtered and
+    one sampled: the merged steps replay forward graphs, and every returned beam scores as
+    fp32 transformers scores it (a wrong slot, level or row offset gives whole nats)."""
+    engine, hf = merged_engine_and_hf
+    graphs, loop = engine.wave.graphs, engine.loop
+    assert graphs is not None
+    items = engine.catalog_index.item_ids
+    specs = [
+        dict(prompt="user w1 w2 item", n=8),
+        dict(prompt="user w3 item", n=8, exclude_items=list(items[::3])),
+        dict(prompt="user w4 w5 w6 item", n=8, temperature=0.7, seed=2),
+        dict(prompt="user w7 item", n=8),
+    ]
+    replays, steps, forwards = (
+        graphs.stats.forward_replays,
+        loop.stats().beam_steps,
+        loop.stats().beam_forwards,
+    )
+    requests, handles = [], []
+    for spec in specs:
+        requests.append(engine.make_request(**spec))
+        handles.append(loop.submit(requests[-1]))
+        loop.run_once()
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    stats = loop.stats()
+    assert stats.beam_steps - steps == 2 * len(specs)
+    assert stats.beam_forwards - forwards < stats.beam_steps - steps, "no merged forward"
+    assert graphs.stats.forward_replays > replays
+    for req, h in zip(requests, handles):
+        for c in h.future.result().choices:
+            exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
+            assert abs(c.logprob - exact) < BF16_BOUND, f"{c.codes}: {c.logprob:.4f} vs {exact:.4f}"

@@ -1,0 +1,193 @@
+"""Merged beam steps (EngineConfig.merge_beam_steps): the waves in flight, at different levels,
+share one model forward per loop iteration. The merged step's attention equals each part's on
+its own (torch backend, Triton beam kernel, sliding windows), and the engine's answers equal the
+same requests served alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashrec_core.attention import TorchAttentionBackend, window_shared_prefix
+from flashrec_core.attention.step import dense_suffix
+from flashrec_core.attention.triton_beam import TritonBeamAttention
+from flashrec_core.engine.beam_inputs import concat_beam_steps, prepare_beam_decode
+from flashrec_core.kvcache import KVPool
+from flashrec_core.layers import ForwardBatch
+from flashrec_core.spec import AttentionSpec
+from flashrec_core.testing.hf_beam import assert_same_ranking
+from tests.core.test_engine_loop import assert_idle, make_engine, ranking
+
+CPU = torch.device("cpu")
+HQ, HKV, D = 4, 2, 32
+ATOL_SAME_ENGINE = 1e-5  # one fp32 engine, two batch compositions (test_engine_loop.py)
+# The Triton kernel against the torch backend: the same fp32 softmax over the same slots, the
+# kernel's output rounded to bf16 (2^-9 relative on |v| <= ~3) and summed in another order.
+ATOL_KERNEL = 2e-2
+
+
+def _wave_step(gen: torch.Generator, widths: list[int], prompt_lens: list[int], level: int,
+               first_slot: int):  # fmt: skip
+    """A beam step of one wave at `level`: its rows have level - 1 ancestors' slots + one own."""
+    rows = sum(widths)
+    row_request = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+    return prepare_beam_decode(
+        tokens=torch.zeros(rows, dtype=torch.int64),
+        positions=torch.zeros(rows, dtype=torch.int64),
+        prompts=torch.randint(1, 100, (sum(prompt_lens),), generator=gen),
+        prompt_lens=torch.tensor(prompt_lens), row_request=row_request,
+        history=torch.randint(100, 200, (rows, level - 1), generator=gen),
+        own=torch.arange(first_slot, first_slot + rows),
+    )  # fmt: skip
+
+
+def _steps_and_pool():
+    gen = torch.Generator().manual_seed(0)
+    pool = KVPool(1, HKV, D, 300, torch.bfloat16, CPU)
+    pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, generator=gen).bfloat16())
+    pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, generator=gen).bfloat16())
+    parts = [
+        _wave_step(gen, [3, 2], [7, 12], level=1, first_slot=200),
+        _wave_step(gen, [4], [9], level=2, first_slot=210),
+        _wave_step(gen, [1, 2], [5, 3], level=3, first_slot=220),
+    ]
+    return pool, parts, gen
+
+
+def _attend(backend, step, pool, q: torch.Tensor, scale: float = D**-0.5) -> torch.Tensor:
+    meta = backend.plan(step)
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
+    return backend.forward(q, 0, scale, batch).float()
+
+
+def test_concat_keeps_each_rows_request_prompt_and_own_slots() -> None:
+    _, parts, _ = _steps_and_pool()
+    merged = concat_beam_steps(parts)
+    sp = merged.shared_prefix
+    assert sp.prefix_qo_indptr.tolist() == [0, 3, 5, 9, 10, 12]
+    assert sp.prefix_kv_indptr.tolist() == [0, 7, 19, 28, 33, 36]
+    assert (sp.suffix_kv_indptr[1:] - sp.suffix_kv_indptr[:-1]).tolist() == [1] * 5 + [2] * 4 + [
+        3
+    ] * 3
+    assert merged.kv_indptr.tolist()[-1] == sum(int(p.kv_indptr[-1]) for p in parts)
+    dense = dense_suffix(sp, 3)
+    assert dense[:5, 1:].eq(-1).all() and dense[5:9, 2:].eq(-1).all() and dense[9:].ge(0).all()
+    assert dense[:5, 0].tolist() == list(range(200, 205)), "level 1: its own slot only"
+    assert concat_beam_steps(parts[:1]) is parts[0]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [AttentionSpec(scale=D**-0.5), AttentionSpec(scale=D**-0.5, sliding_window=6)],
+    ids=["full", "window"],
+)
+def test_merged_attention_equals_each_part_alone(spec: AttentionSpec) -> None:
+    """Torch backend: rows of waves at levels 1-3 in one step attend exactly as in their own
+    step (a window cuts each request's prompt by its own rows' slot count); the Triton kernel
+    (interpreted) over the merged step matches within its bf16 rounding."""
+    pool, parts, gen = _steps_and_pool()
+    merged = concat_beam_steps(parts)
+    rows = merged.input_ids.numel()
+    q = torch.randn(rows, HQ, D, generator=gen).bfloat16()
+    torch_backend = TorchAttentionBackend(CPU, layers=(spec,))
+    together = _attend(torch_backend, merged, pool, q.float(), spec.scale)
+    alone, start = [], 0
+    for part in parts:
+        n = part.input_ids.numel()
+        alone.append(_attend(torch_backend, part, pool, q[start : start + n].float(), spec.scale))
+        start += n
+    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-6, atol=1e-6)
+    pytest.importorskip("triton")
+    triton = TritonBeamAttention(
+        torch_backend, CPU, max_rows=64, max_prompt_slots=256, layers=(spec,), head_dim=D
+    )
+    got = _attend(triton, merged, pool, q, spec.scale)
+    assert (got - together).abs().max().item() < ATOL_KERNEL
+
+
+def test_window_cut_follows_each_requests_own_slots() -> None:
+    _, parts, _ = _steps_and_pool()
+    cut = window_shared_prefix(concat_beam_steps(parts).shared_prefix, 6)
+    # prompts 7, 12, 9, 5, 3 with 1, 1, 2, 3, 3 own slots: keep 6 - own of each, at most all
+    assert (cut.prefix_kv_indptr[1:] - cut.prefix_kv_indptr[:-1]).tolist() == [5, 5, 4, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from flashrec_core.demo import write_demo
+
+    path = tmp_path_factory.mktemp("merged") / "ckpt"
+    write_demo(path, "Qwen3ForCausalLM", (16, 16, 16), num_items=800, seed=1)
+    return path
+
+
+def test_waves_in_flight_share_a_forward_and_answer_as_alone(checkpoint: Path) -> None:
+    """Requests joining every iteration (mixed n, one sampled with a seed): the waves at levels
+    1 and 2 step through one forward, and every answer equals the same request served alone by
+    an engine that never merges."""
+    merged = make_engine(checkpoint, merge_beam_steps=True)
+    alone = make_engine(checkpoint)
+    specs = [
+        dict(prompt="w1 w2 w3", n=8),
+        dict(prompt="w4 w5", n=4),
+        dict(prompt="w6 w7 w8 w9", n=8, temperature=0.7, seed=3),
+        dict(prompt="w2 w9", n=16),
+        dict(prompt="w5 w1 w3", n=4),
+    ]
+    loop, handles = merged.loop, []
+    for spec in specs:  # one admission per iteration: waves at different levels in flight
+        handles.append(loop.submit(merged.make_request(**spec)))
+        loop.run_once()
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    stats = loop.stats()
+    assert stats.beam_steps == 2 * len(specs), "each wave took depth - 1 = 2 beam steps"
+    assert stats.beam_forwards < stats.beam_steps, "no two waves shared a forward"
+    for spec, h in zip(specs, handles):
+        [ref] = alone.generate([alone.make_request(**spec)])
+        assert_same_ranking(ranking(h.future.result()), ranking(ref), ATOL_SAME_ENGINE)
+    assert_idle(merged)
+    assert alone.loop.stats().beam_forwards == alone.loop.stats().beam_steps
+
+
+def test_step_groups_fit_the_beam_row_budget(checkpoint: Path) -> None:
+    engine = make_engine(checkpoint, merge_beam_steps=True)  # max_wave_rows 64
+    wave = engine.loop.wave
+    states = [_rows_state(n) for n in (32, 16, 16, 40, 8, 64)]
+    assert wave.step_groups(states) == [[0, 1, 2], [3, 4], [5]]
+    wave.merge_steps = False
+    assert wave.step_groups(states) == [[i] for i in range(6)]
+
+
+def _rows_state(n: int):
+    """A stand-in wave state with one request of width n (step_groups reads only widths)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(requests=[SimpleNamespace(n=n)])
+
+
+def test_a_failed_merged_step_fails_its_waves_and_frees_them(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(checkpoint, merge_beam_steps=True)
+    loop = engine.loop
+    first = loop.submit(engine.make_request(prompt="w1 w2", n=4))
+    loop.run_once()
+    second = loop.submit(engine.make_request(prompt="w3 w4", n=4))
+    loop.run_once()  # both in flight now; the next iteration steps them together
+    runner = loop.wave.runner
+
+    def broken(step):
+        raise RuntimeError("injected device error")
+
+    monkeypatch.setattr(runner, "forward", broken)
+    loop.run_once()
+    for h in (first, second):
+        with pytest.raises(RuntimeError, match="injected"):
+            h.future.result(timeout=0)
+    monkeypatch.undo()
+    assert_idle(engine)
+    [again] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
+    assert len(again.choices) == 4, "the engine serves on after the failed step"

@@ -233,7 +233,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--merge-beam-steps", action="store_true",
         help="run the beam steps of all waves in flight as one model forward per loop "
-        "iteration (each wave keeps its own selection); eager steps only for now",
+        "iteration (each wave keeps its own selection); with CUDA graphs only where the Triton "
+        "beam kernel runs the steps (the CUDA default). Not yet measured on a GPU: off by default",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(

@@ -1,6 +1,7 @@
 """Warm-up before /ready and before a reloaded catalog is swapped in: run each configured beam
 width once at every request count the CUDA graphs are captured for, unfiltered and (with a
-catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them.
+catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them
+(and with merged beam steps, their forward graphs at every request count of each width).
 The waves go through the engine loop like any request, so a reload's warm-up interleaves with
 live traffic. Prefill graphs do not depend on the catalog: the first warm-up captures them all.
 On CPU, where there are no graphs, one request per width."""
@@ -49,6 +50,8 @@ def warm_up(
     prefill = engine.wave.prefill_graphs
     if prefill is not None and versions is None:
         engine.loop.call(lambda: prefill.capture_all(progress))  # on the engine thread
+    if versions is None:  # merged steps' forward graphs do not depend on the catalog either
+        _capture_merged_forwards(engine, sorted({request.n for request, _ in plan}))
     waves = sum(len(counts) for _, counts in plan)
     with tqdm(total=waves, desc="warm-up", unit="wave", disable=not (waves and progress)) as bar:
         for request, counts in plan:
@@ -80,6 +83,22 @@ def warm_ladder(
                     "--max-wave-rows): %s", count, request.n, rows, cap, exc,
                 )  # fmt: skip
         done()
+
+
+def _capture_merged_forwards(engine: Engine, widths: list[int]) -> None:
+    """With merged beam steps on graphs: the forward graph of every request count of each
+    width (a merged step's shape depends on how many waves are in flight, which a warm-up wave
+    alone never produces), on the engine thread."""
+    graphs = engine.wave.graphs
+    if graphs is None or not engine.wave.merge_steps:
+        return
+    suffix_width = engine.wave.depth - 1
+    for n in widths:
+        counts = warm_counts(n, engine.loop.limits.max_wave_rows)
+        engine.loop.call(
+            lambda n=n, counts=counts: graphs.capture_forwards(n, counts, suffix_width)
+        )
+    logger.info("warm-up: merged beam-step forward graphs captured for n=%s", widths)
 
 
 def warm_counts(width: int, max_rows: int) -> list[int]:

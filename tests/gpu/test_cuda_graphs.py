@@ -331,3 +331,22 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
         for c in h.future.result().choices:
             exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
             assert abs(c.logprob - exact) < BF16_BOUND, f"{c.codes}: {c.logprob:.4f} vs {exact:.4f}"
+
+
+def test_warm_up_captures_merged_forwards_so_traffic_only_replays(merged_engine_and_hf) -> None:
+    from flashrec_core.server.warmup import warm_up
+
+    engine, _ = merged_engine_and_hf
+    graphs, loop = engine.wave.graphs, engine.loop
+    assert graphs is not None
+    warm_up(engine, [4], progress=False)
+    captures, replays = graphs.stats.captures, graphs.stats.forward_replays
+    handles = []
+    for i in range(4):  # waves of one request joining every iteration: merged steps of 1-2 waves
+        handles.append(loop.submit(engine.make_request(prompt=f"user w{i + 30} item", n=4)))
+        loop.run_once()
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    assert all(len(h.future.result().choices) == 4 for h in handles)
+    assert graphs.stats.forward_replays > replays
+    assert graphs.stats.captures == captures, "traffic captured a graph the warm-up left out"

@@ -153,7 +153,7 @@ serve_bench() {
       --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>"$log" >/dev/null
     grep "^n=" "$log" || { echo "no phase finished; the bench's last lines:"; tail -5 "$log"; }
   done
-  curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total)"
+  curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total|engine_beam)"
   # CPU seconds of each of the server's threads (utime + stime in clock ticks), busiest first:
   # which threads the "server CPU outside the engine thread" of the bench lines went to
   for t in /proc/$srv/task/*; do

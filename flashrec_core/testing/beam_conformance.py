@@ -51,10 +51,14 @@ def random_codes(count: int, seed: int) -> list[tuple[int, ...]]:
     return sorted(codes)
 
 
-def create_engine(path: Path, catalog: Path | None, **search: Any) -> Engine:
+def create_engine(
+    path: Path, catalog: Path | None, engine: dict[str, Any] | None = None, **search: Any
+) -> Engine:
+    """A CPU engine on `path` (`engine`: further EngineConfig fields; `search`: SearchConfig's)."""
     cfg = EngineConfig(
-        model_path=str(path), device="cpu", kv_cache_tokens=1 << 15, show_progress=False
-    )
+        model_path=str(path), device="cpu", kv_cache_tokens=1 << 15, show_progress=False,
+        **(engine or {}),
+    )  # fmt: skip
     return Engine.from_config(
         cfg, SearchConfig(catalog_path=str(catalog) if catalog else None, **search)
     )
@@ -152,6 +156,30 @@ class BeamSearchConformance:
             padded = engine.generate(reqs)
         for a, b in zip(plain, padded):
             assert_same_ranking(_ranked(b), _ranked(a), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
+
+    def test_merged_steps_equal_separate_runs(
+        self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path
+    ) -> None:
+        """Waves at different levels stepping through one forward (merge_beam_steps), one
+        prompt longer than any sliding window (each request's window cut follows its own
+        level): every answer ranks as the same request served alone."""
+        path, _ = tiny_checkpoint(self.spec, example, LEVELS)
+        catalog = write_catalog(tmp_path / "c.json", random_codes(300, 4))
+        engine = create_engine(path, catalog, {"merge_beam_steps": True})
+        prompts = (*PROMPTS, long_text_prompt(engine.runner.config))
+        reqs = [engine.make_request(prompt=p, n=n) for p, n in zip(prompts, (5, 8, 3))]
+        loop, handles = engine.loop, []
+        for req in reqs:  # one admission per iteration: the waves in flight are at levels 1, 2
+            handles.append(loop.submit(req))
+            loop.run_once()
+        while not all(h.future.done() for h in handles):
+            loop.run_once()
+        stats = loop.stats()
+        assert stats.beam_forwards < stats.beam_steps, "no two waves shared a forward"
+        for req, h in zip(reqs, handles):
+            [alone] = engine.generate([req])
+            got = _ranked(h.future.result())
+            assert_same_ranking(got, _ranked(alone), ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
 
     def test_sampling_is_seeded_and_valid(
         self, example: ExampleConfig, tiny_checkpoint, tmp_path: Path

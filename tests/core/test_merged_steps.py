@@ -26,6 +26,9 @@ ATOL_SAME_ENGINE = 1e-5  # one fp32 engine, two batch compositions (test_engine_
 # The Triton kernel against the torch backend: the same fp32 softmax over the same slots, the
 # kernel's output rounded to bf16 (2^-9 relative on |v| <= ~3) and summed in another order.
 ATOL_KERNEL = 2e-2
+BEAM_TOL = 0.05
+"""Per-beam log-prob gap between two BF16 engines whose attention differs by bf16 rounding: three
+steps of ~1e-2 attention noise (test_triton_beam_attention.py)."""
 
 
 def _wave_step(gen: torch.Generator, widths: list[int], prompt_lens: list[int], level: int,
@@ -191,3 +194,32 @@ def test_a_failed_merged_step_fails_its_waves_and_frees_them(
     assert_idle(engine)
     [again] = engine.generate([engine.make_request(prompt="w1 w2", n=4)])
     assert len(again.choices) == 4, "the engine serves on after the failed step"
+
+
+def test_merged_steps_through_the_triton_kernel_match_separate_steps(checkpoint: Path) -> None:
+    """The engine (BF16 on CPU) with the Triton beam kernel interpreted and merged steps, whose
+    own slots reach the kernel padded with -1, against the same kernel stepping each wave
+    alone: the same beams up to the bf16 rounding of GEMMs over other row counts (bounded by
+    the kernel-vs-torch bound of test_triton_beam_attention.py, which is far larger). The
+    reference is the same kernel, not the torch backend: their ~1e-2 attention noise can move
+    a beam across an early level's cut, and then the searches differ by more than noise."""
+    pytest.importorskip("triton")
+    from flashrec_core.testing.hf_beam import assert_same_beams_within
+
+    bf16 = dict(dtype="bfloat16", enable_fused_rms_fp8=False, enable_fused_silu_fp8=False,
+                enable_fused_qk_rope_kv=False)  # fmt: skip
+    merged = make_engine(
+        checkpoint, beam_attention="triton", triton_on_cpu=True, merge_beam_steps=True, **bf16
+    )
+    separate = make_engine(checkpoint, beam_attention="triton", triton_on_cpu=True, **bf16)
+    specs = [dict(prompt="w1 w2 w3", n=6), dict(prompt="w4 w5", n=6), dict(prompt="w9 w2", n=6)]
+    loop, handles = merged.loop, []
+    for spec in specs:
+        handles.append(loop.submit(merged.make_request(**spec)))
+        loop.run_once()
+    while not all(h.future.done() for h in handles):
+        loop.run_once()
+    assert loop.stats().beam_forwards < loop.stats().beam_steps
+    for spec, h in zip(specs, handles):
+        [ref] = separate.generate([separate.make_request(**spec)])
+        assert_same_beams_within(dict(ranking(h.future.result())), dict(ranking(ref)), BEAM_TOL)

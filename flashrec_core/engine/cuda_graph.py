@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -80,6 +80,21 @@ def graph_padding(widths: list[int], sampling: bool, max_rows: int) -> tuple[int
     if not fits:
         return None, f"{len(widths)} x {widths[0]} rows exceed max_wave_rows {max_rows}"
     return fits[0], ""
+
+
+def record_graph(body: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture `body` into a graph of memory pool `pool`, after one run outside it on a side
+    stream (Triton compiles, cuBLAS picks its algorithms; it writes the same K/V the replay
+    writes, so it is harmless). Returns the graph and the captured output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = body()
+    return graph, output
 
 
 @dataclass
@@ -265,25 +280,11 @@ class DecodeGraphs:
                 self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
             )
 
-        graph, hidden = self._record(body)
+        graph, hidden = record_graph(body, self._pool)
         captured = _ForwardGraph(graph, attention, hidden)
         self._forwards[key] = captured
         self._note_capture(start, f"merged beam-step forward: {num_requests} requests x {width}")
         return captured
-
-    def _record(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
-        """Capture `body` into a graph of the shared pool, after one run outside it (Triton
-        compiles, cuBLAS picks its algorithms; it writes the same K/V the replay writes, so it
-        is harmless). Returns the graph and the captured output."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = body()
-        return graph, output
 
     def _note_capture(self, start: float, what: str) -> None:
         seconds = time.perf_counter() - start
@@ -380,7 +381,7 @@ class DecodeGraphs:
                 None, masks,
             )  # fmt: skip
 
-        graph, output = self._record(body)
+        graph, output = record_graph(body, self._pool)
         captured = _StepGraph(graph, attention, layout, output, body)
         self._graphs[key] = captured
         filtered_note = ", filtered" if filtered else ""

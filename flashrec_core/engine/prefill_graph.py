@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from flashrec_core.attention.step import StepInput
+from flashrec_core.engine.cuda_graph import record_graph
 from flashrec_core.kvcache.pool import KVPool
 
 if TYPE_CHECKING:
@@ -249,16 +250,7 @@ class PrefillGraphs:
                 self._ids[:tokens], self._pos[:tokens], self._loc[:tokens], metadata
             )
 
-        # Warm-up outside the graph (Triton compiles, cuBLAS picks its algorithms); it writes the
-        # K/V of the real tokens, as the replay will, so it is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = body()
+        graph, output = record_graph(body, self._pool)
         captured = _PrefillGraph(graph, attention, output, body)
         self._graphs[shape] = captured
         seconds = time.perf_counter() - start

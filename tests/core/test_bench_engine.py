@@ -25,7 +25,7 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     run = _bench("--engine", str(ckpt), "-n", "4", "--requests", "8", "--prompt-len", "24",
                  "--shared-prefix", "8", "--level-sizes", LEVELS, "--exclude-items", "50",
-                 "--schedule", "decode_first",
+                 "--schedule", "decode_first", "--merge-beam-steps",
                  "--prefill-tokens-per-step", "16", "--out", str(out))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text(), parse_constant=_not_json)
@@ -34,6 +34,8 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     assert result["requests_per_s"] > 0 and result["exclude_items"] == 50
     assert result["schedule"] == "decode_first"
     assert (result["prefill_attention"], result["prefill_tokens_per_step"]) == ("backend", 16)
+    # decode-first: one wave in flight at a time, so merged steps (on) had nothing to merge
+    assert result["merge_beam_steps"] and result["beam_forwards"] == result["beam_steps"] > 0
     # no GPU: no peaks to measure, so no floor (null, not NaN: the output stays strict JSON)
     assert result["percent_of_roofline"] is None and result["peak_memory_gib"] is None
     pool_slots = result["kv_pool_gib"] * 2**30 / _bytes_per_slot(ckpt)

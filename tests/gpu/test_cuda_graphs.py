@@ -30,15 +30,22 @@ def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """Beam steps through FlashInfer's cascade, flat decode or the Triton kernel; prefills
     through FlashInfer (cascade, triton-backend-prefill) or the Triton prefill kernel (flat,
     triton)."""
+    return _engine_and_hf(
+        tmp_path_factory.mktemp("graphs"), cascade_attention=request.param != "flat",
+        beam_attention="triton" if request.param.startswith("triton") else "cascade",
+        prefill_attention="triton" if request.param in ("flat", "triton") else "backend",
+    )  # fmt: skip
+
+
+def _engine_and_hf(path, **fields: object):
+    """A CUDA engine (BF16, tiny Qwen3 of the GPU shape, a 400-item catalog) with `fields` set,
+    and the fp32 transformers model of the same weights."""
     spec = Registry.discover().resolve("Qwen3ForCausalLM")
-    path = tmp_path_factory.mktemp("graphs")
     hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
     catalog = write_catalog(path / "c.json", random_codes(400, seed=3))
     cfg = EngineConfig(
         model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
-        cascade_attention=request.param != "flat", max_wave_rows=256, quantization="none",
-        beam_attention="triton" if request.param.startswith("triton") else "cascade",
-        prefill_attention="triton" if request.param in ("flat", "triton") else "backend",
+        max_wave_rows=256, quantization="none", **fields,
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf
 
@@ -262,16 +269,10 @@ def test_filtered_waves_replay_graphs_and_return_only_allowed_items(engine_and_h
 def merged_engine_and_hf(tmp_path_factory: pytest.TempPathFactory):
     """The "triton" engine of `engine_and_hf` with merge_beam_steps: the waves in flight share
     one forward graph per iteration."""
-    spec = Registry.discover().resolve("Qwen3ForCausalLM")
-    path = tmp_path_factory.mktemp("merged")
-    hf = write_tiny_checkpoint(path, gpu_shape(spec.examples[0].hf_config), level_sizes=LEVELS)
-    catalog = write_catalog(path / "c.json", random_codes(400, seed=3))
-    cfg = EngineConfig(
-        model_path=str(path), device="cuda", show_progress=False, kv_cache_tokens=1 << 15,
-        max_wave_rows=256, quantization="none", beam_attention="triton",
-        prefill_attention="triton", merge_beam_steps=True,
+    return _engine_and_hf(
+        tmp_path_factory.mktemp("merged"), beam_attention="triton", prefill_attention="triton",
+        merge_beam_steps=True,
     )  # fmt: skip
-    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog))), hf
 
 
 def test_a_merged_forward_replays_its_graph_like_the_eager_forward(merged_engine_and_hf) -> None:

@@ -41,7 +41,9 @@ class AttentionBackend(Protocol):
         ...
 
     def graph_attention(self, num_requests: int, num_rows: int) -> Any:
-        """Fixed-address state for one captured beam-step shape (supports_graphs only)."""
+        """Fixed-address state for one captured beam-step shape (supports_graphs only). The
+        Triton beam kernel's wrapper also takes `suffix_width`: a shape whose rows carry up to
+        that many own slots, fewer padded (merged steps of waves at several levels)."""
         ...
 
     # Optional: backends with `supports_prefill_graphs = True` also implement

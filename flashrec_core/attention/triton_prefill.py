@@ -135,9 +135,10 @@ class TritonPrefillAttention:
             )  # fmt: skip
         return self._buffers
 
-    def graph_attention(self, num_requests: int, num_rows: int) -> Any:
-        """Beam-step graphs belong to the wrapped backend."""
-        return self.inner.graph_attention(num_requests, num_rows)
+    def graph_attention(self, num_requests: int, num_rows: int, **shape: Any) -> Any:
+        """Beam-step graphs belong to the wrapped backend (`shape`: its further arguments,
+        such as the Triton beam kernel's `suffix_width`)."""
+        return self.inner.graph_attention(num_requests, num_rows, **shape)
 
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch

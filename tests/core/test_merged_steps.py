@@ -223,3 +223,40 @@ def test_merged_steps_through_the_triton_kernel_match_separate_steps(checkpoint:
     for spec, h in zip(specs, handles):
         [ref] = separate.generate([separate.make_request(**spec)])
         assert_same_beams_within(dict(ranking(h.future.result())), dict(ranking(ref)), BEAM_TOL)
+
+
+def test_a_merged_graph_shape_plans_through_the_engines_backend_stack(checkpoint: Path) -> None:
+    """What a merged step's forward graph replays, without the capture (CPU): the engine's
+    backend stack (Triton prefill over Triton beam steps over torch) plans a merged step padded
+    with pad requests into the fixed graph buffers, own slots widened to depth - 1; the
+    model forward on that plan equals the same padded step planned eagerly, bit for bit (the
+    same shapes and kernels: only the plan's buffers differ)."""
+    pytest.importorskip("triton")
+    from flashrec_core.engine.beam_inputs import pad_requests_step
+
+    engine = make_engine(
+        checkpoint, dtype="bfloat16", beam_attention="triton", prefill_attention="triton",
+        triton_on_cpu=True, merge_beam_steps=True, enable_fused_rms_fp8=False,
+        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
+    )  # fmt: skip
+    runner, depth = engine.runner, engine.wave.depth
+    gen = torch.Generator().manual_seed(3)
+    parts = [
+        _wave_step(gen, [4, 4], [6, 9], level=1, first_slot=300),
+        _wave_step(gen, [4], [5], level=2, first_slot=310),
+    ]
+    step = concat_beam_steps(parts)
+    vocab = runner.config.vocab_size
+    step = step.__class__(**{**step.__dict__, "input_ids": torch.randint(0, vocab, (12,))})
+    padded = concat_beam_steps([step, pad_requests_step(1, 4, CPU)])  # 3 real + 1 pad = 4
+    eager = runner.forward(padded)
+    attention = runner.attn_backend.graph_attention(4, 16, suffix_width=depth - 1)
+    metadata = runner.attn_backend.plan(padded, graph=attention)
+    [group] = metadata.per_group
+    assert group.suffix.shape == (16, depth - 1) and group.max_rows_per_request == 4
+    assert group.suffix[:8, 1:].eq(-1).all() and group.suffix[12:, 1:].eq(-1).all()
+    hidden = runner.forward_batch(
+        padded.input_ids, padded.positions, padded.out_cache_loc, metadata
+    )
+    # real rows only: the pad rows all write the pad slot, and which write lands is not defined
+    assert torch.equal(hidden[:12], eager[:12]), "the graph plan computes other than the eager"

@@ -224,6 +224,7 @@ _ENGINE_TOTALS = (
     "flashrec_event_loop_lag_seconds_bucket{le=0.01}",
     "flashrec_engine_admission_retries_total{reason=kv_slots}",
     "flashrec_engine_admission_retries_total{reason=device_memory}",
+    "flashrec_engine_beam_steps_total", "flashrec_engine_beam_forwards_total",
 )  # fmt: skip
 
 
@@ -254,6 +255,8 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "mean_requests_per_wave": d["requests_admitted"] / waves,
         "engine_busy_fraction": d["busy_seconds"] / seconds if seconds > 0 else 0.0,
         "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
+        # 1: every wave's beam step ran its own forward; lower with --merge-beam-steps
+        "beam_forwards_per_step": d["beam_forwards"] / max(d["beam_steps"], 1),
         "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
         # the server process's CPU time outside the engine thread: HTTP, parsing, answers (and,
         # for a model run on the CPU, torch's intra-op worker threads)

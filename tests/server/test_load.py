@@ -234,6 +234,8 @@ def test_bench_server_command_reports_each_phase(
     result = json.loads(out.read_text())
     assert result["saturation"]["sent"] == 6 and result["saturation"]["errors"] == 0
     assert result["saturation"]["client_processes"] == 2
+    # this server steps each wave alone (no --merge-beam-steps): one forward per beam step
+    assert result["saturation"]["engine"]["beam_forwards_per_step"] == 1.0
     [run] = result["open_loop"]
     assert run["sent"] == 6 and run["errors"] == 0
     assert run["fraction_of_saturation"] == pytest.approx(0.5)

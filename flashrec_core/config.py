@@ -88,8 +88,8 @@ class EngineConfig(BaseModel):
     row-wise-scaled kernels read the weights at ~20% of an H100's bandwidth at 50 rows
     (scripts/bench_gemm.py). 0: never. None: per projection, the row count up to which the
     GPU's launch table measured the kernel faster (`fp8_gemm_rows`; 0 without a table for this
-    GPU and shape, so cuBLAS everywhere until a table is committed). Needs Triton kernels and
-    FP8 weights, else 0."""
+    GPU and shape: cuBLAS. Tables: the H100 80GB's, session 23). Needs Triton kernels and FP8
+    weights, else 0."""
     host_threads: int | None = Field(default=None, ge=1)
     """torch intra-op (CPU) threads of the thread that runs the engine loop (the server's engine
     thread, or the caller of `Engine.generate` while it runs). None: 1 on CUDA, where that

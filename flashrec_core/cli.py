@@ -539,19 +539,20 @@ def _read_messages(path: str) -> list[dict[str, str]]:
     return data
 
 
+_BENCH_ENGINE_FLAGS = (
+    "schedule", "prefill_tokens_per_step", "host_threads", "fp8_gemm_triton_rows",
+    "merge_beam_steps",
+)  # fmt: skip
+"""`bench --engine`'s engine flags that map one to one onto EngineConfig fields."""
+
+
 def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig fields `bench --engine` sets away from their defaults."""
-    out: dict[str, Any] = {"schedule": args.schedule} if args.schedule else {}
+    """EngineConfig fields `bench --engine` sets away from their defaults (a flag not given is
+    None, or False for a switch)."""
+    given = {f: getattr(args, f) for f in _BENCH_ENGINE_FLAGS}
+    out = {f: v for f, v in given.items() if v is not None and v is not False}
     if args.prefill_attention != "auto":
         out["prefill_attention"] = args.prefill_attention
-    if args.prefill_tokens_per_step is not None:
-        out["prefill_tokens_per_step"] = args.prefill_tokens_per_step
-    if args.host_threads is not None:
-        out["host_threads"] = args.host_threads
-    if args.fp8_gemm_triton_rows is not None:
-        out["fp8_gemm_triton_rows"] = args.fp8_gemm_triton_rows
-    if args.merge_beam_steps:
-        out["merge_beam_steps"] = True
     return out
 
 

@@ -52,17 +52,19 @@ def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
     return torch.where(in_prefix, from_prefix, from_suffix)
 
 
-def dense_suffix(sp: SharedPrefix, width: int) -> torch.Tensor:
-    """Each row's own slots as a [R, width] tensor on the suffix indices' device, rows with
-    fewer than `width` padded with -1 (no slot: the beam kernel skips it). The lengths are read
-    from the host indptr, so no device sync; uniform rows are a view."""
+def dense_suffix(sp: SharedPrefix, width: int | None = None) -> torch.Tensor:
+    """Each row's own slots as a [R, width] tensor on the suffix indices' device (None: the
+    widest row's count), rows with fewer padded with -1 (no slot: the beam kernel skips it).
+    The lengths are read from the host indptr, so no device sync; uniform rows are a view."""
     ptr = sp.suffix_kv_indptr.to(torch.int64)
     lens = ptr[1:] - ptr[:-1]
     flat = sp.suffix_kv_indices
+    widest = int(lens.max()) if lens.numel() else 1
+    width = widest if width is None else width
+    if widest > width:
+        raise ValueError(f"a row has {widest} own slots, more than the width {width}")
     if lens.numel() == 0 or bool((lens == width).all()):
         return flat.view(lens.numel(), width)
-    if int(lens.max()) > width:
-        raise ValueError(f"a row has {int(lens.max())} own slots, more than the width {width}")
     col = torch.arange(width)
     used = col < lens[:, None]  # host [R, width]
     take = torch.where(used, ptr[:-1, None] + col, 0).to(flat.device, non_blocking=True)

@@ -85,10 +85,8 @@ class TritonBeamAttention:
         sp = step.shared_prefix
         if sp is None:
             return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
-        per_row = sp.suffix_kv_indptr[1:] - sp.suffix_kv_indptr[:-1]  # host
-        widest = int(per_row.max()) if per_row.numel() else 1
-        width = graph.suffix_width if graph is not None and graph.suffix_width else widest
-        suffix = dense_suffix(sp, width)
+        width = graph.suffix_width if graph is not None else None  # None: the widest row's
+        suffix = dense_suffix(sp, width).to(self.device, torch.int32)  # shared by the groups
         return BeamKernelPlan(
             tuple(
                 self._plan_group(
@@ -111,7 +109,7 @@ class TritonBeamAttention:
             "prefix_indptr": sp.prefix_kv_indptr.to(torch.int32),
             "prefix_indices": sp.prefix_kv_indices.to(dev, torch.int32),
             "row_indptr": sp.prefix_qo_indptr.to(torch.int32),
-            "suffix": suffix.to(dev, torch.int32).flatten(),
+            "suffix": suffix.flatten(),
         }
         if buf is None or graph is None:
             widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync

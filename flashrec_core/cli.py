@@ -289,6 +289,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--profile-engine", metavar="FILE",
         help="cProfile the engine thread; the stats are written to FILE at shutdown",
     )  # fmt: skip
+    p.add_argument(
+        "--torch-profile-dir", metavar="DIR",
+        help="enable POST /start_profile and /stop_profile: torch.profiler traces of the engine "
+        "thread are written to DIR",
+    )  # fmt: skip
     p.add_argument("--config", help="settings file (.json or .toml), see docs/serving.md")
 
 
@@ -326,6 +331,7 @@ _SERVER_FLAGS = {
     "max_queue": "max_queue", "default_n": "default_n", "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
     "profile_engine": "profile_engine", "admission_delay_factor": "admission_delay_factor",
+    "torch_profile_dir": "torch_profile_dir",
 }  # fmt: skip
 
 

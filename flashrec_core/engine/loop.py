@@ -74,6 +74,7 @@ from flashrec_core.engine.requests import (
     ResultDecoder,
 )
 from flashrec_core.engine.results import HostBeams, assemble_results, copy_to_host
+from flashrec_core.engine.trace import LoopTrace
 from flashrec_core.kvcache import OutOfSlotsError
 
 logger = logging.getLogger("flashrec")
@@ -116,6 +117,7 @@ class EngineLoop:
         self._accepting = True
         self._exit = False
         self._admit_cap: int | None = None  # after a KV shortfall: at most this many per wave
+        self.trace = LoopTrace()  # torch.profiler windows (start_trace / stop_trace)
         self.intra_op_threads: int | None = None
         """torch intra-op (CPU) threads of the thread running the loop: the loop thread
         (`start`), or a caller driving it (`wait_done`) for that long (EngineConfig.host_threads);
@@ -209,6 +211,14 @@ class EngineLoop:
             self._tasks.append((fn, future))
             self._cv.notify_all()
         return future.result()
+
+    def start_trace(self) -> None:
+        """Open a torch.profiler window on the thread that runs the loop (engine/trace.py)."""
+        self.call(self.trace.start)
+
+    def stop_trace(self, directory: Path) -> tuple[Path, Path]:
+        """Close the window at the next step boundary; its trace and summary files."""
+        return self.call(lambda: self.trace.stop(directory))
 
     def _run_tasks(self) -> None:
         while self._tasks:
@@ -324,13 +334,19 @@ class EngineLoop:
         with self._drive:
             self._run_tasks()
             now, cpu = time.monotonic(), time.thread_time()
-            self._retire(now)
-            waves = list(self._waves)
-            for group in self.wave.step_groups([w.state for w in waves]):
-                self._advance([waves[i] for i in group])
-            self._admit(now)
-            self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # the iteration's most
-            self._deliver()
+            phase = self.trace.phase
+            with phase("iteration"):
+                with phase("retire"):
+                    self._retire(now)
+                waves = list(self._waves)
+                with phase("step"):
+                    for group in self.wave.step_groups([w.state for w in waves]):
+                        self._advance([waves[i] for i in group])
+                with phase("admit"):
+                    self._admit(now)
+                self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # iteration's most
+                with phase("results"):
+                    self._deliver()
             self._iterations += 1
             self._busy_s += time.monotonic() - now
             self._cpu_s += time.thread_time() - cpu  # busy less this: waits (GPU, GIL, locks)

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path as FilePath
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from flashrec_core.engine.handles import (
 )
 from flashrec_core.engine.heap import freeze_long_lived
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
+from flashrec_core.engine.trace import TraceStateError
 from flashrec_core.server import responses
 from flashrec_core.server.encoding import JSON, dumps
 from flashrec_core.server.errors import APIError, install_error_handlers
@@ -58,6 +60,7 @@ from flashrec_core.server.protocol import (
     ErrorResponse,
     Health,
     ModelList,
+    ProfileStatus,
 )
 from flashrec_core.server.settings import ServerSettings
 from flashrec_core.server.translate import Defaults, chat_request, completion_requests
@@ -134,6 +137,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         yield
         lag.cancel()
         state.stopping = True
+        if settings.torch_profile_dir is not None and engine.loop.trace.active:
+            files = await run_in_threadpool(engine.loop.stop_trace, settings.torch_profile_dir)
+            logger.info("shutdown: the open torch profile was written to %s", files[0])
         logger.info("draining: up to %.0f s for requests in flight", settings.shutdown_grace_s)
         await run_in_threadpool(engine.loop.stop, settings.shutdown_grace_s)
 
@@ -312,6 +318,35 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.torch_profile_dir is not None:
+        _add_profile_routes(app, engine, settings.torch_profile_dir, authorize)
+
+
+def _add_profile_routes(app: FastAPI, engine: Engine, directory: FilePath, authorize: Any) -> None:
+    """POST /start_profile and /stop_profile (as vLLM and SGLang name them): a torch.profiler
+    window over the engine thread, opened and closed at step boundaries (engine/trace.py)."""
+    conflict = {409: {"model": ErrorResponse, "description": "already running / not running"}}
+
+    def run(action: Any) -> Any:
+        try:
+            return action()
+        except TraceStateError as exc:
+            raise APIError(409, str(exc), None, "profile_state") from None
+
+    @app.post("/start_profile", response_model=ProfileStatus, dependencies=[Depends(authorize)],
+              responses={**conflict, 401: ERRORS[401]})  # fmt: skip
+    async def start_profile() -> dict[str, Any]:
+        await run_in_threadpool(run, engine.loop.start_trace)
+        logger.info("torch profile started")
+        return {"status": "profiling"}
+
+    @app.post("/stop_profile", response_model=ProfileStatus, dependencies=[Depends(authorize)],
+              responses={**conflict, 401: ERRORS[401]})  # fmt: skip
+    async def stop_profile() -> dict[str, Any]:
+        trace, summary = await run_in_threadpool(run, lambda: engine.loop.stop_trace(directory))
+        logger.info("torch profile written to %s (summary %s)", trace, summary)
+        return {"status": "stopped", "trace": str(trace), "summary": str(summary)}
 
 
 _LAG_PROBE_S = 0.1

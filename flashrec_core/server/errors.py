@@ -22,6 +22,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     503: "service_unavailable",
     504: "timeout_error",

@@ -245,3 +245,11 @@ class CatalogList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "ready", "loading", "stopping"]
+
+
+class ProfileStatus(BaseModel):
+    """/start_profile and /stop_profile: the window's state, and the files a stop wrote."""
+
+    status: Literal["profiling", "stopped"]
+    trace: str | None = None
+    summary: str | None = None

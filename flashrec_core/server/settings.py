@@ -60,6 +60,10 @@ class ServerSettings(BaseSettings):
     log_requests: bool = True
     profile_engine: Path | None = None
     """cProfile the engine thread and write the stats (cumulative, text) here at shutdown."""
+    torch_profile_dir: Path | None = None
+    """Enables POST /start_profile and /stop_profile: a torch.profiler window over the engine
+    thread (its operations and, on a GPU, kernels), written here as a Chrome trace and a text
+    table when it stops. Without it those routes answer 404."""
 
     @classmethod
     def settings_customise_sources(

@@ -267,3 +267,48 @@ def test_bench_server_names_why_the_server_refused_its_requests(
 
     with pytest.raises(RuntimeError, match=r"refused every unloaded request.*400: the prompt has"):
         run_server_bench(server.url, prompts, 4, [], 2, api_key=API_KEY)
+
+
+def test_torch_profile_window_records_the_loop_phases(checkpoint: Path, tmp_path: Path) -> None:
+    """/start_profile and /stop_profile (--torch-profile-dir): a window over the engine thread
+    written as a Chrome trace with the loop's phase ranges, its misuse answered with 409 and
+    the server serving on; a window still open at shutdown is written too."""
+    import gzip
+    import json
+
+    traces = tmp_path / "traces"
+    with ServerProcess(server_args(checkpoint, "--torch-profile-dir", str(traces))) as proc:
+        url = proc.url
+        assert httpx.post(url + "/start_profile").status_code == 401  # behind the API key
+        stopped = httpx.post(url + "/stop_profile", headers=HEADERS)
+        assert stopped.status_code == 409 and "no profile is running" in stopped.text
+        assert httpx.post(url + "/start_profile", headers=HEADERS).json() == {
+            "status": "profiling", "trace": None, "summary": None,
+        }  # fmt: skip
+        again = httpx.post(url + "/start_profile", headers=HEADERS)
+        assert again.status_code == 409, again.text
+        assert again.json()["error"]["code"] == "profile_state"
+        r = httpx.post(url + "/v1/chat/completions", json=_body("w1 w2", 4), headers=HEADERS)
+        assert r.status_code == 200
+        done = httpx.post(url + "/stop_profile", headers=HEADERS).json()
+        assert done["status"] == "stopped"
+        trace, summary = Path(done["trace"]), Path(done["summary"])
+        assert trace.parent == traces and trace.name.endswith(".trace.json.gz")
+        names = {
+            e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        }
+        phases = {"iteration", "retire", "step", "admit", "results"}
+        assert {f"flashrec.{p}" for p in phases} <= names, sorted(
+            n for n in names if "flashrec" in str(n)
+        )
+        assert "Self CPU" in summary.read_text()
+        r = httpx.post(url + "/v1/chat/completions", json=_body("w3 w4", 4), headers=HEADERS)
+        assert r.status_code == 200  # serving on after the window
+        assert httpx.post(url + "/start_profile", headers=HEADERS).status_code == 200
+    # the second window was open at shutdown: written before the engine stopped
+    assert len(list(traces.glob("*.trace.json.gz"))) == 2, proc.log()[-2000:]
+
+
+def test_profile_routes_are_absent_without_a_profile_dir(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/start_profile", headers=HEADERS)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

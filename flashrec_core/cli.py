@@ -121,6 +121,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --server: client processes sending the load (default: one per "
                      "32 concurrent requests, at most half the cores)")  # fmt: skip
     e2e.add_argument("--api-key", default=None)
+    e2e.add_argument("--profile-seconds", type=float, default=0.0, metavar="S",
+                     help="with --server: a torch.profiler window of S seconds during each "
+                     "open-loop rate (needs serve --torch-profile-dir); its loop summary is "
+                     "printed and kept in --out")  # fmt: skip
     e2e.add_argument("--exclude-items", type=int, default=0,
                      help="with --engine: each request excludes this many random items")  # fmt: skip
     e2e.add_argument("--allow-items", type=int, default=0,
@@ -619,6 +623,9 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
 
         def progress(partial: dict[str, Any]) -> None:  # each phase as it ends (stderr, --out)
             print(_phase_line(partial), file=sys.stderr, flush=True)
+            window = (partial.get("open_loop") or [{}])[-1].get("profile")
+            if window is not None:
+                print(_window_text(window), file=sys.stderr, flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(partial, indent=2))
 
@@ -626,12 +633,24 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
         floor = server_floor(args.server, args.api_key, Path(args.model_dir), args.n, level_sizes)
         result = run_server_bench(
             args.server, prompts, args.n, rates, args.concurrency, args.api_key, floor,
-            args.client_processes, progress,
+            args.client_processes, progress, args.profile_seconds,
         )  # fmt: skip
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _window_text(window: dict[str, Any]) -> str:
+    """The profiler window of an open-loop run: where its trace is, and the loop summary."""
+    if "error" in window:
+        return f"profile window failed: {window['error']}"
+    text = f"profile window: {window['trace']}"
+    if "loop" in window:
+        from flashrec_core.bench.trace_summary import format_summary
+
+        text += "\n" + format_summary(window["loop"])
+    return text
 
 
 def _phase_line(result: dict[str, Any]) -> str:

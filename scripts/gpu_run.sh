@@ -131,9 +131,15 @@ serve_bench() {
   # leading NAME=VALUE words are the server's environment (e.g. OMP_NUM_THREADS=1), the rest flags
   local envs=()
   while [[ ${1:-} =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done
+  # PROFILE_S (the script's, or a PROFILE_S=S word of this variant): a torch.profiler window of
+  # S seconds in each open-loop rate (serve --torch-profile-dir, bench --profile-seconds; traces
+  # in $out/traces$TAG). The window slows the run it watches: profile a variant of its own.
+  local PROFILE_S=${PROFILE_S:-} e
+  for e in "${envs[@]}"; do [[ $e == PROFILE_S=* ]] && PROFILE_S=${e#PROFILE_S=}; done
   env "${envs[@]}" flashrec serve -v --model-path "$ck" --catalog "$ck/catalog.json" \
     --warmup-n 50,512 --port 8123 "$@" \
-    ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile$tag.txt"} > "$out/serve$tag.log" 2>&1 &
+    ${PROFILE_ENGINE:+--profile-engine "$out/engine_profile$tag.txt"} \
+    ${PROFILE_S:+--torch-profile-dir "$out/traces$tag"} > "$out/serve$tag.log" 2>&1 &
   srv=$!
   wait_ready 8123 || { stop_server $srv; tail -5 "$out/serve$tag.log"; return; }
   echo "ready after warm-up: $(grep -c captured "$out/serve$tag.log") captures (serve flags: ${envs[*]} $*)"
@@ -150,8 +156,11 @@ serve_bench() {
     local log="$out/bench_server_n${n}_c$conc$tag.log"
     timeout "$(left)" flashrec bench --server http://127.0.0.1:8123 --model-dir "$ck" -n "$n" \
       --requests "$reqs" --concurrency "$conc" --rates "${SERVER_RATES:-0.5,0.7,0.9,1.1}" \
+      ${PROFILE_S:+--profile-seconds "$PROFILE_S"} \
       --out "$out/e2e_server_n${n}_c$conc$tag.json" 2>"$log" >/dev/null
-    grep "^n=" "$log" || { echo "no phase finished; the bench's last lines:"; tail -5 "$log"; }
+    # each phase's line, and with PROFILE_S each open-loop rate's profiler window summary
+    grep -E -A14 "^(n=|profile window)" "$log" | grep -vE "^  +[0-9.]+  " \
+      || { echo "no phase finished; the bench's last lines:"; tail -5 "$log"; }
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total|engine_beam)"
   # CPU seconds of each of the server's threads (utime + stime in clock ticks), busiest first:

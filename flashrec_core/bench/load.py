@@ -271,18 +271,61 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
     }  # fmt: skip
 
 
+class ProfileWindow:
+    """A torch.profiler window of the server (its /start_profile and /stop_profile, which
+    `flashrec serve --torch-profile-dir` enables) opened `after_s` into a run for `seconds`,
+    on a thread beside the load. `result()` is the server's answer to the stop, with the loop
+    summary of its trace (bench/trace_summary.py) when the trace is on this machine."""
+
+    def __init__(self, url: str, api_key: str | None, after_s: float, seconds: float) -> None:
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._url, self._after_s, self._seconds = url, after_s, seconds
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="profile-window", daemon=True)
+        self._thread.start()
+
+    def _post(self, route: str) -> dict[str, Any]:
+        r = httpx.post(self._url + route, headers=self._headers, timeout=600)
+        if r.status_code != 200:
+            raise RuntimeError(
+                f"{route}: {r.status_code} {r.text[:300]} (does the server run with "
+                "--torch-profile-dir?)"
+            )
+        return r.json()
+
+    def _run(self) -> None:
+        try:
+            time.sleep(self._after_s)
+            self._post("/start_profile")
+            time.sleep(self._seconds)
+            self._out = self._post("/stop_profile")
+            trace = Path(self._out["trace"])
+            if trace.is_file():
+                from flashrec_core.bench.trace_summary import load_events, summarize
+
+                self._out["loop"] = summarize(load_events(trace))
+        except Exception as exc:  # reported in the result; the load run goes on
+            self._out = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def result(self) -> dict[str, Any]:
+        self._thread.join()
+        return self._out
+
+
 def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
     floor: Callable[[list[list[int]]], float] | None = None, processes: int | None = None,
-    progress: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None, profile_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
     saturation throughput when a rate is <= 1.5, else requests/s). `prompts(run)` gives each run
     fresh prompts (same shared prefix), so no run finds another's prompts in the prefix cache.
     `floor(prompts)`: the roofline floor in seconds of those prompts at this n (`server_floor`),
     which puts the saturation run's share of it in the result. `progress(result)` after each
-    phase: a run cut short keeps what it measured."""
+    phase: a run cut short keeps what it measured. `profile_s`: during each open-loop run, a
+    profiler window that long from 40% into it (`ProfileWindow`; its answer in the run's
+    "profile")."""
     report = progress or (lambda _: None)
 
     def viewed(run: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -320,7 +363,12 @@ def run_server_bench(
     for i, rate in enumerate(rates):
         rps = rate * sat["throughput_rps"] if rate <= 1.5 else rate
         bodies = completion_bodies(prompts(2 + i), n)
+        window = (
+            ProfileWindow(url, api_key, 0.4 * len(bodies) / rps, profile_s) if profile_s else None
+        )
         run = viewed(open_loop, bodies, rps, api_key, seed=i, processes=processes)
+        if window is not None:
+            run["profile"] = window.result()
         result["open_loop"].append({"fraction_of_saturation": rps / sat["throughput_rps"], **run})
         report(result)
     return result

@@ -275,6 +275,8 @@ def test_torch_profile_window_records_the_loop_phases(checkpoint: Path, tmp_path
     the server serving on; a window still open at shutdown is written too."""
     import gzip
     import json
+    import subprocess
+    import sys
 
     traces = tmp_path / "traces"
     with ServerProcess(server_args(checkpoint, "--torch-profile-dir", str(traces))) as proc:
@@ -302,11 +304,30 @@ def test_torch_profile_window_records_the_loop_phases(checkpoint: Path, tmp_path
             n for n in names if "flashrec" in str(n)
         )
         assert "Self CPU" in summary.read_text()
+        from flashrec_core.bench.trace_summary import load_events, summarize
+
+        loop = summarize(load_events(trace))  # the real trace format, no GPU here
+        assert loop["iterations"] >= 1 and {"step", "admit"} <= set(loop["phases"])
         r = httpx.post(url + "/v1/chat/completions", json=_body("w3 w4", 4), headers=HEADERS)
         assert r.status_code == 200  # serving on after the window
+        # `flashrec bench --server --profile-seconds`: a window from 40% into the open-loop
+        # run (8 requests at 20/s), long enough to hold some of it on a slow machine too
+        out = tmp_path / "bench.json"
+        cmd = [
+            sys.executable, "-m", "flashrec_core.cli", "bench", "--server", url, "--model-dir",
+            str(checkpoint), "--api-key", API_KEY, "-n", "4", "--requests", "8", "--prompt-len",
+            "24", "--shared-prefix", "8", "--level-sizes", "32,32,32", "--concurrency", "2",
+            "--rates", "20", "--profile-seconds", "3", "--out", str(out),
+        ]  # fmt: skip
+        bench = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        [run] = json.loads(out.read_text())["open_loop"]
+        assert run["profile"]["status"] == "stopped", run["profile"]
+        assert run["profile"]["loop"]["iterations"] >= 1
+        assert "profile window: " + run["profile"]["trace"] in bench.stderr
         assert httpx.post(url + "/start_profile", headers=HEADERS).status_code == 200
-    # the second window was open at shutdown: written before the engine stopped
-    assert len(list(traces.glob("*.trace.json.gz"))) == 2, proc.log()[-2000:]
+    # the bench's window and the last one, open at shutdown, were written too
+    assert len(list(traces.glob("*.trace.json.gz"))) == 3, proc.log()[-2000:]
 
 
 def test_profile_routes_are_absent_without_a_profile_dir(server: ServerProcess) -> None:

@@ -1,0 +1,160 @@
+"""Where the engine loop's iterations went, from a trace of `flashrec serve`'s /stop_profile.
+
+For each `flashrec.<phase>` range of the engine thread (engine/trace.py) it reports the host
+time a loop iteration spent in the phase and the GPU time of the kernels and copies launched
+from it (matched through their CUDA correlation ids, CUDA graph replays included), and for the
+whole window how busy the GPU was: whether an iteration is bound by the host or the device,
+and by which phase. Usage:
+
+    python -m flashrec_core.bench.trace_summary TRACE.trace.json.gz [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+PREFIX = "flashrec."
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def load_events(path: Path) -> list[dict[str, Any]]:
+    """The trace's events (a Chrome trace, gzipped or not)."""
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    return json.loads(raw)["traceEvents"]
+
+
+def _complete(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase: host ms and launched GPU ms a loop iteration; the window's GPU busy share;
+    the kernels that took the most GPU time."""
+    complete = _complete(events)
+    ranges = [e for e in complete if str(e.get("name", "")).startswith(PREFIX)]
+    iterations = sorted(
+        (e for e in ranges if e["name"] == PREFIX + "iteration"), key=lambda e: e["ts"]
+    )
+    if not iterations:
+        raise ValueError("no flashrec.iteration ranges: not a trace of the engine loop's window")
+    tid = iterations[0].get("tid")
+    starts = [e["ts"] for e in iterations]
+    phases = [e for e in ranges if e["name"] != PREFIX + "iteration" and e.get("tid") == tid]
+    phases.sort(key=lambda e: e["ts"])
+    phase_starts = [p["ts"] for p in phases]  # the phases of an iteration follow each other
+
+    def owner(ts: float) -> tuple[int, str] | None:
+        """(iteration index, phase) of a host timestamp on the engine thread."""
+        i = bisect.bisect_right(starts, ts) - 1
+        if i < 0 or ts > iterations[i]["ts"] + iterations[i]["dur"]:
+            return None
+        j = bisect.bisect_right(phase_starts, ts) - 1
+        if j >= 0 and ts <= phases[j]["ts"] + phases[j]["dur"]:
+            return i, phases[j]["name"][len(PREFIX) :]
+        return i, "other"
+
+    launches: dict[Any, tuple[int, str] | None] = {}
+    graph_launches: Counter[str] = Counter()
+    for e in complete:
+        if e.get("cat") in LAUNCH_CATEGORIES and e.get("tid") == tid:
+            where = owner(e["ts"])
+            launches[(e.get("args") or {}).get("correlation")] = where
+            if where is not None and "GraphLaunch" in e["name"]:
+                graph_launches[where[1]] += 1
+    gpu = [e for e in complete if e.get("cat") in GPU_CATEGORIES]
+    gpu_ms: dict[str, float] = defaultdict(float)
+    by_kernel: Counter[str] = Counter()
+    for e in gpu:
+        where = launches.get((e.get("args") or {}).get("correlation"))
+        gpu_ms[where[1] if where is not None else "outside the loop"] += e["dur"] / 1e3
+        by_kernel[e["name"][:90]] += e["dur"] / 1e3
+    host_ms: dict[str, float] = defaultdict(float)
+    for p in phases:
+        host_ms[p["name"][len(PREFIX) :]] += p["dur"] / 1e3
+    walls = [e["dur"] / 1e3 for e in iterations]
+    host_ms["other"] = max(0.0, sum(walls) - sum(host_ms.values()))
+    count = len(iterations)
+    window_us = iterations[-1]["ts"] + iterations[-1]["dur"] - iterations[0]["ts"]
+    lo, hi = iterations[0]["ts"], iterations[-1]["ts"] + iterations[-1]["dur"]
+    busy = _union_us([(e["ts"], min(hi, e["ts"] + e["dur"])) for e in gpu if lo <= e["ts"] <= hi])
+    names = sorted(set(host_ms) | set(gpu_ms), key=lambda k: -host_ms.get(k, 0.0))
+    return {
+        "iterations": count,
+        "window_ms": window_us / 1e3,
+        "engine_busy_share": sum(walls) * 1e3 / window_us if window_us else 0.0,
+        "gpu_busy_share": busy / window_us if window_us else 0.0,
+        "iteration_ms": {
+            "mean": statistics.fmean(walls),
+            "p50": _percentile(walls, 0.5),
+            "p99": _percentile(walls, 0.99),
+        },
+        "phases": {
+            k: {
+                "host_ms_per_iteration": host_ms.get(k, 0.0) / count,
+                "gpu_ms_per_iteration": gpu_ms.get(k, 0.0) / count,
+                "graph_launches_per_iteration": graph_launches.get(k, 0) / count,
+            }
+            for k in names
+        },
+        "top_kernels_ms": dict(by_kernel.most_common(15)),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    it = s["iteration_ms"]
+    lines = [
+        f"{s['iterations']} iterations in {s['window_ms']:.1f} ms: engine thread busy "
+        f"{s['engine_busy_share']:.0%}, GPU busy {s['gpu_busy_share']:.0%}; an iteration "
+        f"{it['mean']:.2f} ms mean, p50 {it['p50']:.2f}, p99 {it['p99']:.2f}",
+        f"{'phase':<18}{'host ms/iter':>14}{'GPU ms/iter':>14}{'graph replays/iter':>20}",
+    ]
+    for name, p in s["phases"].items():
+        lines.append(
+            f"{name:<18}{p['host_ms_per_iteration']:>14.3f}{p['gpu_ms_per_iteration']:>14.3f}"
+            f"{p['graph_launches_per_iteration']:>20.2f}"
+        )
+    lines.append("GPU time by kernel (ms in the window):")
+    lines += [f"  {ms:9.2f}  {name}" for name, ms in s["top_kernels_ms"].items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    args = ap.parse_args()
+    summary = summarize(load_events(args.trace))
+    print(format_summary(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -109,7 +109,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "iterations": count,
         "window_ms": window_us / 1e3,
         "engine_busy_share": sum(walls) * 1e3 / window_us if window_us else 0.0,
-        "gpu_busy_share": busy / window_us if window_us else 0.0,
+        "gpu_busy_share": busy / window_us if gpu and window_us else None,  # None: no GPU
         "iteration_ms": {
             "mean": statistics.fmean(walls),
             "p50": _percentile(walls, 0.5),
@@ -129,9 +129,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_summary(s: dict[str, Any]) -> str:
     it = s["iteration_ms"]
+    gpu = s["gpu_busy_share"]
     lines = [
         f"{s['iterations']} iterations in {s['window_ms']:.1f} ms: engine thread busy "
-        f"{s['engine_busy_share']:.0%}, GPU busy {s['gpu_busy_share']:.0%}; an iteration "
+        f"{s['engine_busy_share']:.0%}, "
+        + (f"GPU busy {gpu:.0%}" if gpu is not None else "no GPU activity traced")
+        + f"; an iteration "
         f"{it['mean']:.2f} ms mean, p50 {it['p50']:.2f}, p99 {it['p99']:.2f}",
         f"{'phase':<18}{'host ms/iter':>14}{'GPU ms/iter':>14}{'graph replays/iter':>20}",
     ]

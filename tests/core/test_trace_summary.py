@@ -62,6 +62,11 @@ def test_summary_attributes_gpu_time_to_the_launching_phase(tmp_path: Path) -> N
     assert "2 iterations" in format_summary(s)
 
 
+def test_a_trace_without_gpu_activity_says_so() -> None:
+    s = summarize([_x("flashrec.iteration", 0, 10), _x("flashrec.step", 1, 5)])
+    assert s["gpu_busy_share"] is None and "no GPU activity traced" in format_summary(s)
+
+
 def test_a_trace_without_loop_ranges_is_refused() -> None:
     with pytest.raises(ValueError, match="no flashrec.iteration ranges"):
         summarize([_x("cudaLaunchKernel", 0, 1, "cuda_runtime", correlation=1)])

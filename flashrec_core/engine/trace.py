@@ -3,8 +3,8 @@
 A window records the engine thread's torch operations and, on a GPU, every kernel and copy,
 with one range per loop phase (`flashrec.retire`, `flashrec.step`, `flashrec.admit`,
 `flashrec.results`) inside one `flashrec.iteration` range, so a trace taken under load shows
-what each iteration spent where (`flashrec_core/bench/trace_summary.py` sums it up). The profiler starts
-and stops on the engine thread: torch records the operations of the thread that enabled it.
+what each iteration spent where (bench/trace_summary.py sums it up). The profiler starts and
+stops on the engine thread: torch records the operations of the thread that enabled it.
 Outside a window the phase ranges cost nothing (`phase` hands out a null context).
 """
 

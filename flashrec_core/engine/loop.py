@@ -217,8 +217,10 @@ class EngineLoop:
         self.call(self.trace.start)
 
     def stop_trace(self, directory: Path) -> tuple[Path, Path]:
-        """Close the window at the next step boundary; its trace and summary files."""
-        return self.call(lambda: self.trace.stop(directory))
+        """Close the window at the next step boundary and write its trace and summary files
+        (on this thread: the engine thread goes on meanwhile)."""
+        prof, started_at = self.call(self.trace.close)
+        return self.trace.write(prof, started_at, directory)
 
     def _run_tasks(self) -> None:
         while self._tasks:

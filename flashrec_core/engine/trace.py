@@ -44,18 +44,25 @@ class LoopTrace:
         prof.start()
         self._profiler, self._started_at = prof, time.time()
 
-    def stop(self, directory: Path) -> tuple[Path, Path]:
-        """Close the window; write its Chrome trace (gzipped JSON, chrome://tracing or
-        https://ui.perfetto.dev) and a text table of the operations by their own time into
-        `directory`. Returns both paths."""
+    def close(self) -> tuple[profile, float]:
+        """Close the window (on the thread that opened it); the stopped profiler and when the
+        window opened, for `write`."""
         prof = self._profiler
         if prof is None:
             raise TraceStateError("no profile is running: start one first (/start_profile)")
         self._profiler = None
         prof.stop()
+        return prof, self._started_at
+
+    @staticmethod
+    def write(prof: profile, started_at: float, directory: Path) -> tuple[Path, Path]:
+        """Write a closed window's Chrome trace (gzipped JSON, chrome://tracing or
+        https://ui.perfetto.dev) and a text table of the operations by their own time into
+        `directory`; both paths. Any thread: a GPU window under load holds hundreds of
+        thousands of events, and exporting them must not stall the engine thread."""
         directory.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self._started_at))
-        base = directory / f"flashrec-{stamp}-{int(self._started_at * 1000) % 1000:03d}"
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started_at))
+        base = directory / f"flashrec-{stamp}-{int(started_at * 1000) % 1000:03d}"
         trace = base.with_name(base.name + ".trace.json.gz")
         summary = base.with_name(base.name + ".txt")
         prof.export_chrome_trace(str(trace))

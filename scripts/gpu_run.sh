@@ -54,6 +54,13 @@ pack_kernels() {
 }
 finish() {
   pack_kernels
+  # profiler traces (PROFILE_S) apart: a GPU window under load can exceed the 16 MiB a file may
+  # bring back, which would lose results.tgz with it; the summaries stay in the bench JSON
+  local traces; traces=$(cd "$out" && find . -name '*.trace.json.gz')
+  if [[ -n $traces ]]; then
+    (cd "$out" && tar cf "$final/traces.tar" $traces && rm -f $traces)
+    (( $(stat -c %s "$final/traces.tar") < 16000000 )) || { rm -f "$final/traces.tar"; echo "traces over 16 MB: not brought back"; }
+  fi
   tar czf "$final/results.tgz" -C "$out" .
   ls -la "$final"
 }

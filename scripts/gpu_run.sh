@@ -58,6 +58,7 @@ finish() {
   # bring back, which would lose results.tgz with it; the summaries stay in the bench JSON
   local traces; traces=$(cd "$out" && find . -name '*.trace.json.gz')
   if [[ -n $traces ]]; then
+    # shellcheck disable=SC2086  # a list of paths (names the engine chose: no spaces)
     (cd "$out" && tar cf "$final/traces.tar" $traces && rm -f $traces)
     (( $(stat -c %s "$final/traces.tar") < 16000000 )) || { rm -f "$final/traces.tar"; echo "traces over 16 MB: not brought back"; }
   fi

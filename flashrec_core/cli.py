@@ -655,12 +655,17 @@ def _window_text(window: dict[str, Any]) -> str:
 
 def _phase_line(result: dict[str, Any]) -> str:
     """One line on the server bench's latest phase."""
+    from flashrec_core.bench.load import STEADY_ROUNDS
+
     if result.get("open_loop"):
         run = result["open_loop"][-1]
         head = f"open loop {run['offered_rps']:.1f} req/s offered"
     elif "saturation" in result:
         run = result["saturation"]
         head = f"closed loop, {run['concurrency']} in flight"
+        if not run.get("steady_state", True):
+            head += (f" (NOT a steady state: {run['sent']} requests, under "
+                     f"{STEADY_ROUNDS}x the concurrency)")  # fmt: skip
     else:
         e = result["engine"]
         return (f"n={result['n']} unloaded: p50 {result['single_request_p50_ms']:.1f} ms, "

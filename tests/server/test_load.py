@@ -228,10 +228,13 @@ def test_bench_server_command_reports_each_phase(
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     phases = [line for line in proc.stderr.splitlines() if line.startswith("n=4 ")]
-    assert [p.split(":")[0] for p in phases] == [
+    assert [p.split(" (")[0].split(":")[0] for p in phases] == [
         "n=4 unloaded", "n=4 closed loop, 3 in flight", phases[2].split(":")[0]
     ] and "open loop" in phases[2], phases  # fmt: skip
+    # 6 requests are 2 rounds of 3 in flight: mostly ramp-up and drain, and said so
+    assert "(NOT a steady state: 6 requests, under 3x the concurrency)" in phases[1]
     result = json.loads(out.read_text())
+    assert result["saturation"]["steady_state"] is False
     assert result["saturation"]["sent"] == 6 and result["saturation"]["errors"] == 0
     assert result["saturation"]["client_processes"] == 2
     # this server steps each wave alone (no --merge-beam-steps): one forward per beam step
@@ -321,7 +324,9 @@ def test_torch_profile_window_records_the_loop_phases(checkpoint: Path, tmp_path
         ]  # fmt: skip
         bench = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert bench.returncode == 0, bench.stderr[-3000:]
-        [run] = json.loads(out.read_text())["open_loop"]
+        bench_result = json.loads(out.read_text())
+        assert bench_result["saturation"]["steady_state"] is True  # 8 requests, 2 in flight
+        [run] = bench_result["open_loop"]
         assert run["profile"]["status"] == "stopped", run["profile"]
         assert run["profile"]["loop"]["iterations"] >= 1
         assert "profile window: " + run["profile"]["trace"] in bench.stderr

@@ -143,6 +143,7 @@ class DecodeGraphs:
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
         self._forwards: dict[tuple[int, int], _ForwardGraph] = {}  # (requests, width)
         self._forward_failed: dict[tuple[int, int], str] = {}
+        self._pad_steps: dict[tuple[int, int], StepInput] = {}  # (pad requests, width)
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -232,8 +233,7 @@ class DecodeGraphs:
             self._log_once(f"merged beam steps run their forward eagerly: {why}")
             return None
         if padded > num_requests:
-            pads = pad_requests_step(padded - num_requests, width, self.runner.device)
-            step = concat_beam_steps([step, pads])
+            step = concat_beam_steps([step, self._pad_step(padded - num_requests, width)])
         graph = self._forwards.get(key)
         with torch.inference_mode():
             self._copy_inputs(step)
@@ -248,6 +248,16 @@ class DecodeGraphs:
             graph.graph.replay()
         self.stats.forward_replays += 1
         return graph.hidden[:rows]
+
+    def _pad_step(self, num_pad: int, width: int) -> StepInput:
+        """The step of `num_pad` pad requests of `width` rows, built once per shape: it is the
+        same every time (its tensors are only read), and building it is a dozen small device
+        allocations and fills on the engine thread per merged step."""
+        key = (num_pad, width)
+        step = self._pad_steps.get(key)
+        if step is None:
+            step = self._pad_steps[key] = pad_requests_step(num_pad, width, self.runner.device)
+        return step
 
     def capture_forwards(self, width: int, counts: list[int], suffix_width: int) -> None:
         """Capture the merged-step forward graphs of `width` at `counts` requests (largest

@@ -23,6 +23,11 @@ import httpx
 import numpy as np
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The server's API key as a request header (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def completion_bodies(prompts: Sequence[Sequence[int]], n: int) -> list[dict[str, Any]]:
     return [{"prompt": list(p), "n": n, "max_tokens": 3} for p in prompts]
 
@@ -42,7 +47,7 @@ async def _post(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[float,
 
 def _refusal(url: str, body: dict[str, Any], api_key: str | None) -> str:
     """The status and error message the server gives `body` (its OpenAI-shaped error)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     try:
         r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
     except httpx.TransportError as exc:
@@ -55,7 +60,7 @@ def _refusal(url: str, body: dict[str, Any], api_key: str | None) -> str:
 
 
 def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
 
@@ -231,7 +236,7 @@ _ENGINE_TOTALS = (
 def _engine_totals(url: str, api_key: str | None) -> dict[str, float]:
     from flashrec_core.testing.server_process import read_metrics
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    headers = auth_headers(api_key)
     samples = read_metrics(url, headers)
     return {k: samples.get(k, 0.0) for k in _ENGINE_TOTALS}
 
@@ -284,7 +289,7 @@ class ProfileWindow:
     summary of its trace (bench/trace_summary.py) when the trace is on this machine."""
 
     def __init__(self, url: str, api_key: str | None, after_s: float, seconds: float) -> None:
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = auth_headers(api_key)
         self._url, self._after_s, self._seconds = url, after_s, seconds
         self._out: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="profile-window", daemon=True)
@@ -401,7 +406,7 @@ def server_floor(
         return None
     hf = json.loads((model_dir / "config.json").read_text())
     cfg = Registry.discover().resolve(hf["architectures"][0]).parse_config(hf)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     card = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]
     served = ServedModel(**card["flashrec"]["roofline"])
     peaks = measure_peaks_beside(served.fp8, torch.device("cuda"), "server")

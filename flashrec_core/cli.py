@@ -660,6 +660,8 @@ def _phase_line(result: dict[str, Any]) -> str:
     if result.get("open_loop"):
         run = result["open_loop"][-1]
         head = f"open loop {run['offered_rps']:.1f} req/s offered"
+        if "arrival_span_s" in run:  # the achieved rate's span is this plus the last answer
+            head += f" ({run['sent']} arrivals over {run['arrival_span_s']:.1f} s)"
     elif "saturation" in result:
         run = result["saturation"]
         head = f"closed loop, {run['concurrency']} in flight"

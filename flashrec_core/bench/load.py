@@ -68,12 +68,11 @@ def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClien
 @dataclass(frozen=True)
 class _Share:
     """One client process's part of a run: its bodies, and either how many it keeps in flight
-    (closed loop) or the Poisson rate it sends them at (open loop)."""
+    (closed loop) or when it sends each (open loop: seconds after the run's start)."""
 
     bodies: list[dict[str, Any]]
     concurrency: int | None = None
-    rate: float | None = None
-    seed: int = 0
+    arrivals: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,11 @@ class _Sent:
 async def _send_share(url: str, api_key: str | None, share: _Share) -> _Sent:
     latencies: list[float] = []
     codes: list[int] = []
-    if share.rate is not None:  # open loop: each request at its arrival, answered or not
-        gaps = np.random.default_rng(share.seed).exponential(1.0 / share.rate, len(share.bodies))
+    if share.arrivals is not None:  # open loop: each request at its arrival, answered or not
         async with _client(url, api_key, connections=len(share.bodies)) as client:
             start = time.monotonic()
             tasks = []
-            for body, at in zip(share.bodies, np.cumsum(gaps)):
+            for body, at in zip(share.bodies, share.arrivals, strict=True):
                 delay = start + at - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -175,6 +173,7 @@ def _summary(sent: _Sent) -> dict[str, Any]:
         "throughput_rps": len(ok) / seconds if seconds > 0 else 0.0,
         "latency_p50_ms": 1e3 * float(np.percentile(ok, 50)) if ok else None,
         "latency_p99_ms": 1e3 * float(np.percentile(ok, 99)) if ok else None,
+        "latency_max_ms": 1e3 * max(ok) if ok else None,
     }
 
 
@@ -182,13 +181,20 @@ def open_loop(
     url: str, bodies: Sequence[dict[str, Any]], rate: float, api_key: str | None = None,
     seed: int = 0, processes: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Send `bodies` at Poisson arrivals of `rate` requests/s. Split over client processes,
-    each sends its share at `rate / processes`: independent Poisson streams add up to one of
-    `rate`."""
+    """Send `bodies` at Poisson arrivals of `rate` requests/s.
+
+    The arrivals are a Poisson process conditioned on len(bodies) arrivals in len(bodies) /
+    rate seconds (sorted uniform times in that window), so a run offers exactly `rate`: free
+    exponential gaps end anywhere within about sqrt(len) gaps of it (1.4 s instead of 1.18 s
+    for 96 arrivals at 81.5 req/s, measured), and the achieved rate would read that draw, not
+    the server. One schedule is dealt round-robin to the client processes, so the run ends
+    at its last arrival's answer, not at the latest of several independent streams."""
     k = max(1, min(processes or client_processes(len(bodies)), len(bodies)))
-    shares = [_Share(list(bodies[i::k]), rate=rate / k, seed=seed * 1000 + i) for i in range(k)]
+    window = len(bodies) / rate
+    arrivals = np.sort(np.random.default_rng(seed).uniform(0.0, window, len(bodies))).tolist()
+    shares = [_Share(list(bodies[i::k]), arrivals=arrivals[i::k]) for i in range(k)]
     out = _summary(_run_split(url, api_key, shares))
-    return {"offered_rps": rate, "client_processes": k, **out}
+    return {"offered_rps": rate, "arrival_span_s": window, "client_processes": k, **out}
 
 
 def closed_loop(

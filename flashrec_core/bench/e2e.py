@@ -158,7 +158,7 @@ def bench_engine(
         "merge_beam_steps": engine.wave.merge_steps,
         "beam_steps": engine.loop.stats().beam_steps,  # warm-up included, as kv_slots_peak_used
         "beam_forwards": engine.loop.stats().beam_forwards,
-        "merged_forward_replays": graphs.stats.forward_replays if graphs else 0,
+        "merged_step_replays": graphs.stats.merged_replays if graphs else 0,
     }
 
 

@@ -26,7 +26,13 @@ from flashrec_core.engine.beam_inputs import (
     prepare_beam_decode,
 )
 from flashrec_core.engine.catalogs import CatalogVersion
-from flashrec_core.engine.cuda_graph import DecodeGraphs, GraphVariant
+from flashrec_core.engine.cuda_graph import (
+    DecodeGraphs,
+    GraphVariant,
+    MergedPart,
+    merged_rows,
+    merged_shapes,
+)
 from flashrec_core.engine.model_runner import ModelRunner, StepInput, prepare_prefill
 from flashrec_core.engine.prefill_graph import PrefillGraphs, prefill_chunk_tokens
 from flashrec_core.engine.requests import GenerationRequest
@@ -230,10 +236,14 @@ class BeamWave:
             state.trie, state.index = self.trie, self.catalog_index
             return
         state.version, state.index = version, version.index
-        state.trie = version.trie(self.runner.device)
-        state.variant = GraphVariant(version.version, state.trie)
+        state.variant = self._variant(version)
+        state.trie = state.variant.trie
         self._versions[version.version] = version
         self._in_flight[version.version] += 1
+
+    def _variant(self, version: CatalogVersion) -> GraphVariant:
+        """The graphs' key and device trie of a catalog version."""
+        return GraphVariant(version.version, version.trie(self.runner.device))
 
     def _sweep_versions(self) -> None:
         """Forget replaced catalog versions once no wave uses them: their graphs and their
@@ -455,37 +465,56 @@ class BeamWave:
         """One beam step of every wave in `states` (a group of `step_groups`) through one model
         forward over all their rows, then each wave's own selection on its rows: the weights
         are read once per iteration, not once per wave (each forward of a few rows is bound by
-        that read). The waves may be at different levels."""
+        that read). The waves may be at different levels. With CUDA graphs the whole merged
+        step is one replay (`DecodeGraphs.run_merged`); a shape whose capture failed steps
+        each wave alone."""
         if len(states) == 1:
             self.advance(states[0])
             return
-        parts = [self._step_parts(state, pad=False) for state in states]
-        step = concat_beam_steps([p.step for p in parts])
-        hidden = None
-        if self.graphs is not None:  # one width per group when graphs run (`step_groups`)
-            width = states[0].requests[0].n
-            hidden = self.graphs.forward(step, width, self.depth - 1)
-        if hidden is None:
-            hidden = self.runner.forward(step)
-        start = 0
-        for state, p in zip(states, parts):
-            rows = p.beams.num_rows
-            sel = self._select_step(state, p, hidden[start : start + rows])
-            start += rows
+        if self.graphs is not None:
+            parts = [self._step_parts(state, pad=True) for state in states]
+            merged = [
+                MergedPart(state.level, p.step, p.sel.score, p.sel.node, p.beams)
+                for state, p in zip(states, parts)
+            ]  # fmt: skip
+            sels = self.graphs.run_merged(merged, self.depth - 1, states[0].variant)
+            if sels is None:
+                for state in states:
+                    self.advance(state)
+                return
+        else:
+            parts = [self._step_parts(state, pad=False) for state in states]
+            hidden = self.runner.forward(concat_beam_steps([p.step for p in parts]))
+            sels, start = [], 0
+            for state, p in zip(states, parts):
+                rows = p.beams.num_rows
+                sels.append(self._select_step(state, p, hidden[start : start + rows]))
+                start += rows
+        for state, p, sel in zip(states, parts, sels):
             self._advanced(state, p, sel)
 
     def step_groups(self, states: Sequence[WaveState]) -> list[list[int]]:
         """The waves (indices into `states`) whose beam steps share a forward: with
         `merge_steps`, waves in order while their rows fit `max_wave_rows` together (the
-        activations and graph buffers are sized for that), and with CUDA graphs only waves of
-        one n (a forward graph's requests all have one width); else each wave alone."""
+        activations and graph buffers are sized for that); with CUDA graphs only small greedy
+        unfiltered waves of one n and one catalog version (`cuda_graph.merged_rows`: one
+        merged graph takes them, pad rows counted), every other wave alone, replaying its own
+        step graph. Without `merge_steps`, each wave alone."""
         if not self.merge_steps:
             return [[i] for i in range(len(states))]
         groups: list[list[int]] = []
-        open_groups: dict[int, tuple[list[int], int]] = {}  # key -> (group, its rows)
+        open_groups: dict[tuple[int, int], tuple[list[int], int]] = {}  # key -> (group, rows)
         for i, state in enumerate(states):
-            wave_rows = sum(r.n for r in state.requests)
-            key = state.requests[0].n if self.graphs is not None else 0
+            widths = [r.n for r in state.requests]
+            key, wave_rows = (0, 0), sum(widths)
+            if self.graphs is not None:
+                sampling = state.noise is not None and state.noise.sampling
+                padded = merged_rows(widths, sampling, state.masks is not None, self.max_rows)
+                if padded is None:
+                    groups.append([i])
+                    continue
+                key = (widths[0], state.variant.key if state.variant is not None else 0)
+                wave_rows = padded
             group, rows = open_groups.get(key, ([], 0))
             if not group or rows + wave_rows > self.max_rows:
                 group, rows = [], 0
@@ -493,6 +522,17 @@ class BeamWave:
             group.append(i)
             open_groups[key] = (group, rows + wave_rows)
         return groups
+
+    def capture_merged_steps(self, width: int, version: CatalogVersion | None = None) -> int:
+        """Capture the merged step graphs traffic at `width` meets (`merged_shapes`), on the
+        trie of catalog `version` (None: the default); how many shapes. Nothing without
+        merged steps on CUDA graphs."""
+        if self.graphs is None or not self.merge_steps:
+            return 0
+        variant = self._variant(version) if version is not None else None
+        shapes = merged_shapes(width, self.depth, self.max_rows)
+        self.graphs.capture_merged(width, shapes, self.depth - 1, variant)
+        return len(shapes)
 
     def _step_parts(self, state: WaveState, pad: bool) -> _StepParts:
         """The wave's inputs of its next beam step; with `pad`, padded to the graph shape it

@@ -22,21 +22,30 @@ mixed widths, waves over the largest size and filtered waves whose mask buffer w
 `MASK_BUFFER_BYTES` run eagerly, and every eager step is counted and its reason logged once.
 Capture happens on first use of a shape; the server's warm-up (and its catalog reloads) and
 `flashrec bench` run each wave shape first so that traffic sees replays only.
+
+Merged steps (`merge_beam_steps`). Small waves in flight at once (each padded to a capture size
+of at most `MERGE_MAX_REQUESTS` requests and `MERGE_MAX_ROWS` rows) step through one graph: one
+model forward over all their rows, then each wave's own selection on its rows, all captured,
+keyed by the (level, padded request count) of every wave in order. Such a forward is bound by
+reading the weights (a 50-row forward's GEMMs take as long as a 512-row one's), so two waves
+pay for one read instead of two; a larger wave's forward is bound by its own rows and steps
+alone. `merged_shapes` lists the shapes the server's warm-up captures.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
 from flashrec_core.engine.beam_inputs import concat_beam_steps, pad_requests_step
-from flashrec_core.search.beam import BeamLayout, Selection
+from flashrec_core.search.beam import NEG_INF, BeamLayout, Selection
 from flashrec_core.search.filters import FilterMasks
 from flashrec_core.search.selector import BeamSelector
 from flashrec_core.search.trie import Trie
@@ -47,6 +56,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("flashrec")
 T = TypeVar("T")
+
+MERGE_MAX_REQUESTS = 8
+MERGE_MAX_ROWS = 512
+"""The largest wave (padded requests, beam rows) a merged step graph takes. Below 512 rows a
+forward's FP8 GEMMs cost about the same whatever the rows (docs/benchmarks.md, session 22:
+1.88 ms at 50 rows, 2.25 ms at 512 on an H100), so waves this small gain from sharing one;
+the request cap keeps the shapes the warm-up captures few."""
+
+MAX_MERGED_SHAPES = 64
+"""The most merged shapes `merged_shapes` lists for a warm-up (the request ladder is cut until
+its combinations fit): each is a graph capture of a forward and its selections."""
 
 MASK_BUFFER_BYTES = 1 << 30
 """Largest filter-mask buffer (one per catalog version, level and width) a graph may read; a
@@ -67,6 +87,48 @@ def capture_request_counts(width: int, max_rows: int) -> list[int]:
     most = max_rows // width
     ladder = [b for b in (1, 2, 4) if b <= most] + list(range(8, most + 1, 8))
     return sorted(set(ladder + [most])) if most >= 1 else []
+
+
+def merge_counts(width: int, max_rows: int) -> list[int]:
+    """The padded request counts a wave of `width` may have to step in a merged graph."""
+    return [
+        b for b in capture_request_counts(width, max_rows)
+        if b <= MERGE_MAX_REQUESTS and b * width <= MERGE_MAX_ROWS
+    ]  # fmt: skip
+
+
+def merged_rows(widths: list[int], sampling: bool, filtered: bool, max_rows: int) -> int | None:
+    """The rows a wave of these beam widths takes in a merged step graph (padded), or None: it
+    steps alone. Only greedy, unfiltered waves of one width padded to a count of
+    `merge_counts` merge."""
+    if filtered:
+        return None
+    padded, _ = graph_padding(widths, sampling, max_rows)
+    if padded is None or padded not in merge_counts(widths[0], max_rows):
+        return None
+    return padded * widths[0]
+
+
+MergedShape = tuple[tuple[int, int], ...]
+"""(level, padded request count) of each wave of a merged step, oldest wave first."""
+
+
+def merged_shapes(width: int, depth: int, max_rows: int) -> list[MergedShape]:
+    """The merged shapes a server's traffic meets at `width`: every run of two or more waves at
+    distinct levels, oldest (deepest) first, as the loop admits one wave per iteration, at
+    every count of `merge_counts`, cut (largest counts first) to `MAX_MERGED_SHAPES`."""
+    counts = merge_counts(width, max_rows)
+    levels = range(depth - 1, 0, -1)
+    while counts:
+        shapes: list[MergedShape] = []
+        for size in range(2, depth):
+            for chosen in itertools.combinations(levels, size):
+                for picked in itertools.product(counts, repeat=size):
+                    shapes.append(tuple(zip(chosen, picked)))
+        if len(shapes) <= MAX_MERGED_SHAPES:
+            return shapes
+        counts = counts[:-1]
+    return []
 
 
 def graph_padding(widths: list[int], sampling: bool, max_rows: int) -> tuple[int | None, str]:
@@ -104,17 +166,29 @@ class GraphStats:
     captures: int = 0
     capture_seconds: float = 0.0
     eager_reasons: Counter[str] = field(default_factory=Counter)
-    forward_replays: int = 0  # merged steps' forwards replayed
-    eager_forwards: int = 0  # merged steps' forwards run eagerly (no shape, capture failed)
+    merged_replays: int = 0  # merged steps (several waves, one graph) replayed
+
+
+@dataclass(frozen=True)
+class MergedPart:
+    """One wave's share of a merged step: its level and its inputs padded to a capture count
+    (`beam_wave._StepParts` with pad=True)."""
+
+    level: int
+    step: StepInput
+    score: torch.Tensor  # [rows] the parents' path scores
+    node: torch.Tensor  # [rows] the parents' trie nodes
+    layout: BeamLayout  # the rows, pad requests included
 
 
 @dataclass
-class _ForwardGraph:
-    """A merged beam step's model forward (no selection) at one padded shape."""
+class _MergedGraph:
+    """A merged step at one `MergedShape`: one forward, then each part's selection."""
 
     graph: torch.cuda.CUDAGraph
     attention: GraphAttention
-    hidden: torch.Tensor  # the captured output [padded rows, hidden]
+    outputs: list[Selection]
+    body: Callable[[], list[Selection]]  # the captured work, callable eagerly (tests)
 
 
 @dataclass
@@ -141,9 +215,9 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int, int, bool], _StepGraph] = {}
         self._failed: dict[tuple[int, int, int, int, bool], str] = {}  # why capture failed
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
-        self._forwards: dict[tuple[int, int], _ForwardGraph] = {}  # (requests, width)
-        self._forward_failed: dict[tuple[int, int], str] = {}
-        self._pad_steps: dict[tuple[int, int], StepInput] = {}  # (pad requests, width)
+        # (variant, width, shape)
+        self._merged: dict[tuple[int, int, MergedShape], _MergedGraph] = {}
+        self._merged_failed: dict[tuple[int, int, MergedShape], str] = {}
         self._pool = torch.cuda.graph_pool_handle()
         dev = runner.device
         with torch.inference_mode():
@@ -213,60 +287,71 @@ class DecodeGraphs:
         reference a replay must equal exactly (tests)."""
         return self._step(level, step, score, node, layout, False, variant, masks)
 
-    def forward(self, step: StepInput, width: int, suffix_width: int) -> torch.Tensor | None:
-        """Hidden states of a merged beam step (`BeamWave.advance_together`: requests of
-        `width` rows, each row at most `suffix_width` own slots) by replay of the forward graph
-        of its padded request count, captured on first use; None (counted, logged once) when
-        no shape fits or its capture failed: the caller runs the forward eagerly. The result
-        is a view of the graph's output, valid until the next replay."""
-        sp = step.shared_prefix
-        assert sp is not None, "a beam step"
-        num_requests, rows = sp.prefix_qo_indptr.numel() - 1, step.input_ids.numel()
-        padded, why = graph_padding([width] * num_requests, False, self.max_rows)
-        if rows != num_requests * width:
-            padded, why = None, "a merged step of waves of different n"
-        key = (padded or 0, width)
-        if padded is not None and key in self._forward_failed:
-            padded, why = None, self._forward_failed[key]
-        if padded is None:
-            self.stats.eager_forwards += 1
-            self._log_once(f"merged beam steps run their forward eagerly: {why}")
+    def run_merged(
+        self, parts: Sequence[MergedPart], suffix_width: int, variant: GraphVariant | None,
+        replay: bool = True,
+    ) -> list[Selection] | None:  # fmt: skip
+        """Each part's selection after one forward over all their rows, by replay of the graph
+        of their shape (captured on first use); None when that shape's capture failed (the
+        caller steps the waves alone). `suffix_width`: the most own slots a row carries
+        (depth - 1). `replay=False` runs the captured work eagerly on the same buffers."""
+        variant = variant or self.default
+        width = parts[0].layout.max_width
+        shape = tuple((p.level, p.layout.widths.numel()) for p in parts)
+        key = (variant.key, width, shape)
+        if key in self._merged_failed:
             return None
-        if padded > num_requests:
-            step = concat_beam_steps([step, self._pad_step(padded - num_requests, width)])
-        graph = self._forwards.get(key)
+        step = concat_beam_steps([p.step for p in parts])
+        graph = self._merged.get(key)
         with torch.inference_mode():
             self._copy_inputs(step)
+            start = 0
+            for p in parts:
+                end = start + p.layout.num_rows
+                self._score[start:end].copy_(p.score)
+                self._node[start:end].copy_(p.node)
+                start = end
             if graph is None:
                 try:
-                    graph = self._capture_forward(key, step, suffix_width)
+                    graph = self._capture_merged(key, step, parts, variant.trie, suffix_width)
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
-                    self._forward_failed[key] = f"capture of {key[0]} x {key[1]} failed: {exc}"
-                    return self.forward(step, width, suffix_width)
+                    why = f"capture of merged step {shape} x {width} failed: {exc}"
+                    self._merged_failed[key] = why
+                    self._log_once(f"these waves step alone: {why}")
+                    return None
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
-            graph.graph.replay()
-        self.stats.forward_replays += 1
-        return graph.hidden[:rows]
+            if replay:
+                graph.graph.replay()
+                self.stats.merged_replays += 1
+                outputs = graph.outputs
+            else:
+                outputs = graph.body()
+            return [
+                Selection(o.parent.clone(), o.code.clone(), o.node.clone(), o.score.clone())
+                for o in outputs
+            ]
 
-    def _pad_step(self, num_pad: int, width: int) -> StepInput:
-        """The step of `num_pad` pad requests of `width` rows, built once per shape: it is the
-        same every time (its tensors are only read), and building it is a dozen small device
-        allocations and fills on the engine thread per merged step."""
-        key = (num_pad, width)
-        step = self._pad_steps.get(key)
-        if step is None:
-            step = self._pad_steps[key] = pad_requests_step(num_pad, width, self.runner.device)
-        return step
-
-    def capture_forwards(self, width: int, counts: list[int], suffix_width: int) -> None:
-        """Capture the merged-step forward graphs of `width` at `counts` requests (largest
-        first, as `warm_counts` orders them) from steps of pad requests only, so traffic replays
+    def capture_merged(
+        self, width: int, shapes: Sequence[MergedShape], suffix_width: int,
+        variant: GraphVariant | None = None,
+    ) -> None:  # fmt: skip
+        """Capture the merged step graphs of `shapes` at `width` on `variant`'s trie from waves
+        of pad requests (dead beams: they read and write only the pad slot), so traffic replays
         them (the server's warm-up)."""
-        for count in counts:
-            if (count, width) not in self._forwards:
-                step = pad_requests_step(count, width, self.runner.device)
-                self.forward(step, width, suffix_width)
+        dev, key = self.runner.device, (variant or self.default).key
+        for shape in shapes:
+            if (key, width, shape) in self._merged:
+                continue
+            parts = []
+            for level, count in shape:
+                layout = BeamLayout.create([width] * count, dev)
+                rows = layout.num_rows
+                score = torch.full((rows,), NEG_INF, dtype=torch.float32, device=dev)
+                node = torch.zeros(rows, dtype=torch.int64, device=dev)
+                step = pad_requests_step(count, width, dev)
+                parts.append(MergedPart(level, step, score, node, layout))
+            self.run_merged(parts, suffix_width, variant)
 
     def _copy_inputs(self, step: StepInput) -> None:
         rows = step.input_ids.numel()
@@ -274,26 +359,37 @@ class DecodeGraphs:
         self._pos[:rows].copy_(step.positions, non_blocking=True)
         self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
 
-    def _capture_forward(
-        self, key: tuple[int, int], step: StepInput, suffix_width: int
-    ) -> _ForwardGraph:
-        num_requests, width = key
-        rows = num_requests * width
+    def _capture_merged(
+        self, key: tuple[int, int, MergedShape], step: StepInput, parts: Sequence[MergedPart],
+        trie: Trie, suffix_width: int,
+    ) -> _MergedGraph:  # fmt: skip
+        _, width, shape = key
+        num_requests = sum(count for _, count in shape)
+        rows = step.input_ids.numel()
         start = time.perf_counter()
         attention = self.runner.attn_backend.graph_attention(
             num_requests, rows, suffix_width=suffix_width
         )
         metadata = self.runner.attn_backend.plan(step, graph=attention)
+        bounds = list(itertools.accumulate((p.layout.num_rows for p in parts), initial=0))
+        shares = [(p.level, p.layout, a, b) for p, a, b in zip(parts, bounds, bounds[1:])]
 
-        def body() -> torch.Tensor:
-            return self.runner.forward_batch(
+        def body() -> list[Selection]:
+            hidden = self.runner.forward_batch(
                 self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
             )
+            return [
+                self.selector.select(
+                    trie, level, hidden[a:b], self._score[a:b], self._node[a:b], layout,
+                    layout, None, None,
+                )
+                for level, layout, a, b in shares
+            ]  # fmt: skip
 
-        graph, hidden = record_graph(body, self._pool)
-        captured = _ForwardGraph(graph, attention, hidden)
-        self._forwards[key] = captured
-        self._note_capture(start, f"merged beam-step forward: {num_requests} requests x {width}")
+        graph, outputs = record_graph(body, self._pool)
+        captured = _MergedGraph(graph, attention, outputs, body)
+        self._merged[key] = captured
+        self._note_capture(start, f"merged beam step: (level, requests) {shape} x {width}")
         return captured
 
     def _note_capture(self, start: float, what: str) -> None:
@@ -310,7 +406,7 @@ class DecodeGraphs:
     def forget(self, variant_key: int) -> None:
         """Drop the graphs and mask buffers of a variant (a catalog version no request uses
         any more)."""
-        for table in (self._graphs, self._failed, self._masks):
+        for table in (self._graphs, self._failed, self._masks, self._merged, self._merged_failed):
             for key in [k for k in table if k[0] == variant_key]:
                 del table[key]
 

@@ -1,7 +1,7 @@
 """Warm-up before /ready and before a reloaded catalog is swapped in: run each configured beam
 width once at every request count the CUDA graphs are captured for, unfiltered and (with a
 catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them
-(and with merged beam steps, their forward graphs at every request count of each width).
+(and with merged beam steps, the graphs of small waves stepping together, `merged_shapes`).
 The waves go through the engine loop like any request, so a reload's warm-up interleaves with
 live traffic. Prefill graphs do not depend on the catalog: the first warm-up captures them all.
 On CPU, where there are no graphs, one request per width."""
@@ -50,8 +50,7 @@ def warm_up(
     prefill = engine.wave.prefill_graphs
     if prefill is not None and versions is None:
         engine.loop.call(lambda: prefill.capture_all(progress))  # on the engine thread
-    if versions is None:  # merged steps' forward graphs do not depend on the catalog either
-        _capture_merged_forwards(engine, sorted({request.n for request, _ in plan}))
+    _capture_merged_steps(engine, [(request.n, request.catalog) for request, counts in plan])
     waves = sum(len(counts) for _, counts in plan)
     with tqdm(total=waves, desc="warm-up", unit="wave", disable=not (waves and progress)) as bar:
         for request, counts in plan:
@@ -85,20 +84,23 @@ def warm_ladder(
         done()
 
 
-def _capture_merged_forwards(engine: Engine, widths: list[int]) -> None:
-    """With merged beam steps on graphs: the forward graph of every request count of each
-    width (a merged step's shape depends on how many waves are in flight, which a warm-up wave
-    alone never produces), on the engine thread."""
-    graphs = engine.wave.graphs
-    if graphs is None or not engine.wave.merge_steps:
-        return
-    suffix_width = engine.wave.depth - 1
-    for n in widths:
-        counts = warm_counts(n, engine.loop.limits.max_wave_rows)
-        engine.loop.call(
-            lambda n=n, counts=counts: graphs.capture_forwards(n, counts, suffix_width)
-        )
-    logger.info("warm-up: merged beam-step forward graphs captured for n=%s", widths)
+def _capture_merged_steps(
+    engine: Engine, planned: Sequence[tuple[int, CatalogVersion | None]]
+) -> None:
+    """With merged beam steps on graphs: the merged step graphs of every width on every catalog
+    version planned (which shapes depends on how many waves are in flight and at which levels,
+    which warm-up waves run one at a time never produce), on the engine thread."""
+    done, shapes = set(), 0
+    for n, version in planned:
+        key = (n, version.version if version is not None else None)
+        if key not in done:
+            done.add(key)
+            shapes += engine.loop.call(
+                lambda n=n, version=version: engine.wave.capture_merged_steps(n, version)
+            )
+    if shapes:
+        logger.info("warm-up: %d merged beam-step graphs captured for n=%s", shapes,
+                    sorted({n for n, _ in done}))  # fmt: skip
 
 
 def warm_counts(width: int, max_rows: int) -> list[int]:

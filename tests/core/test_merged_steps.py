@@ -260,3 +260,33 @@ def test_a_merged_graph_shape_plans_through_the_engines_backend_stack(checkpoint
     )
     # real rows only: the pad rows all write the pad slot, and which write lands is not defined
     assert torch.equal(hidden[:12], eager[:12]), "the graph plan computes other than the eager"
+
+
+def test_merged_graph_shapes_cover_the_waves_a_server_has_in_flight() -> None:
+    """The shapes the warm-up captures: every run of waves at distinct levels, oldest first,
+    at each small padded count; cut to MAX_MERGED_SHAPES by dropping the largest counts; none
+    where one wave alone is over MERGE_MAX_ROWS."""
+    from flashrec_core.engine.cuda_graph import (
+        MAX_MERGED_SHAPES,
+        merge_counts,
+        merged_rows,
+        merged_shapes,
+    )
+
+    assert merge_counts(50, 8192) == [1, 2, 4, 8]  # 8 x 50 = 400 rows; 16 x 50 is over 512
+    assert merge_counts(512, 8192) == [1] and merge_counts(1024, 8192) == []
+    depth3 = merged_shapes(50, 3, 8192)
+    assert len(depth3) == 16 and ((2, 8), (1, 1)) in depth3
+    assert all([level for level, _ in shape] == [2, 1] for shape in depth3)
+    depth4 = merged_shapes(50, 4, 8192)  # 4 counts give 3 x 16 + 64 = 112 shapes: cut to 3
+    assert len(depth4) == 3 * 9 + 27 <= MAX_MERGED_SHAPES
+    assert ((3, 4), (1, 4)) in depth4 and ((3, 1), (2, 2), (1, 4)) in depth4
+    assert not any(count == 8 for shape in depth4 for _, count in shape)
+    assert merged_shapes(1024, 3, 8192) == [] and merged_shapes(50, 2, 8192) == []
+    # a wave's rows in a merged graph are its padded rows; sampled, filtered, mixed-n or
+    # too-large waves step alone
+    assert merged_rows([50] * 3, False, False, 8192) == 200
+    assert merged_rows([50] * 3, True, False, 8192) is None
+    assert merged_rows([50] * 3, False, True, 8192) is None
+    assert merged_rows([50, 16], False, False, 8192) is None
+    assert merged_rows([50] * 9, False, False, 8192) is None

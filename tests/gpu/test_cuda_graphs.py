@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from flashrec_core.config import EngineConfig, SearchConfig
-from flashrec_core.engine.beam_inputs import concat_beam_steps
 from flashrec_core.engine.beam_wave import PrefillProgress, prepare_beam_decode
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.model_runner import prepare_prefill
@@ -267,53 +266,61 @@ def test_filtered_waves_replay_graphs_and_return_only_allowed_items(engine_and_h
 
 @pytest.fixture(scope="module")
 def merged_engine_and_hf(tmp_path_factory: pytest.TempPathFactory):
-    """The "triton" engine of `engine_and_hf` with merge_beam_steps: the waves in flight share
-    one forward graph per iteration."""
+    """The "triton" engine of `engine_and_hf` with merge_beam_steps: small waves in flight
+    step through one merged graph per iteration."""
     return _engine_and_hf(
         tmp_path_factory.mktemp("merged"), beam_attention="triton", prefill_attention="triton",
         merge_beam_steps=True,
     )  # fmt: skip
 
 
-def test_a_merged_forward_replays_its_graph_like_the_eager_forward(merged_engine_and_hf) -> None:
-    """Waves at levels 1 and 2 (2 + 3 requests of 8 rows, padded to a 8-request graph): the
-    replayed forward equals the same merged step run eagerly up to bf16 rounding of GEMMs of
-    another row count (as the prefill test above), and one capture serves later replays."""
+def test_a_merged_step_replays_like_its_captured_work_run_eagerly(merged_engine_and_hf) -> None:
+    """Waves at levels 2 and 1 (2 and 4 requests of 8 rows, capture counts both) through one
+    merged graph: each wave's selection from the replay equals the captured work run eagerly
+    on the same buffers and plan, exactly; one capture serves the later replay."""
+    from flashrec_core.engine.cuda_graph import MergedPart
+
     engine, _ = merged_engine_and_hf
     graphs, dev = engine.wave.graphs, engine.runner.device
     assert graphs is not None and engine.wave.merge_steps
-    captures, replays = graphs.stats.captures, graphs.stats.forward_replays
+    captures, replays = graphs.stats.captures, graphs.stats.merged_replays
     for seed in range(2):
         parts = [
-            _step(engine, BeamLayout.create([8] * 2, dev), seed, level=1, first_own=2000),
-            _step(engine, BeamLayout.create([8] * 3, dev), seed + 5, level=2, first_own=2100),
-        ]
-        step = concat_beam_steps([p[1] for p in parts])
-        replayed = graphs.forward(step, 8, len(LEVELS) - 1)
-        assert replayed is not None and replayed.shape[0] == 40
-        replayed = replayed.clone()
-        eager = engine.runner.forward(step)
-        assert (replayed.float() - eager.float()).abs().max() < 0.05 * eager.abs().max()
+            MergedPart(*_step(engine, layout, seed + k, level=level, first_own=2000 + 100 * k),
+                       layout)
+            for k, (level, layout) in enumerate(
+                [(2, BeamLayout.create([8] * 2, dev)), (1, BeamLayout.create([8] * 4, dev))]
+            )
+        ]  # fmt: skip
+        replayed = graphs.run_merged(parts, len(LEVELS) - 1, None)
+        eager = graphs.run_merged(parts, len(LEVELS) - 1, None, replay=False)
+        assert replayed is not None and eager is not None and len(replayed) == 2
+        for part, a, b in zip(parts, replayed, eager):
+            assert a.score.shape[0] == part.layout.num_rows
+            for name in ("parent", "code", "node", "score"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), f"seed {seed}: {name}"
     assert graphs.stats.captures - captures <= 1, "one capture (none if a test before took it)"
-    assert graphs.stats.forward_replays - replays == 2
+    assert graphs.stats.merged_replays - replays == 2
 
 
 def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
     """Requests joining every iteration (waves at levels 1 and 2 in flight), one filtered and
-    one sampled: the merged steps replay forward graphs, and every returned beam scores as
-    fp32 transformers scores it (a wrong slot, level or row offset gives whole nats)."""
+    one sampled (they step alone): the two greedy waves in flight together replay a merged
+    step graph, and every returned beam scores as fp32 transformers scores it (a wrong slot,
+    level or row offset gives whole nats)."""
     engine, hf = merged_engine_and_hf
     graphs, loop = engine.wave.graphs, engine.loop
     assert graphs is not None
     items = engine.catalog_index.item_ids
     specs = [
         dict(prompt="user w1 w2 item", n=8),
+        dict(prompt="user w8 w9 item", n=8),
         dict(prompt="user w3 item", n=8, exclude_items=list(items[::3])),
         dict(prompt="user w4 w5 w6 item", n=8, temperature=0.7, seed=2),
         dict(prompt="user w7 item", n=8),
     ]
     replays, steps, forwards = (
-        graphs.stats.forward_replays,
+        graphs.stats.merged_replays,
         loop.stats().beam_steps,
         loop.stats().beam_forwards,
     )
@@ -327,21 +334,21 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
     stats = loop.stats()
     assert stats.beam_steps - steps == 2 * len(specs)
     assert stats.beam_forwards - forwards < stats.beam_steps - steps, "no merged forward"
-    assert graphs.stats.forward_replays > replays
+    assert graphs.stats.merged_replays > replays
     for req, h in zip(requests, handles):
         for c in h.future.result().choices:
             exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
             assert abs(c.logprob - exact) < BF16_BOUND, f"{c.codes}: {c.logprob:.4f} vs {exact:.4f}"
 
 
-def test_warm_up_captures_merged_forwards_so_traffic_only_replays(merged_engine_and_hf) -> None:
+def test_warm_up_captures_merged_steps_so_traffic_only_replays(merged_engine_and_hf) -> None:
     from flashrec_core.server.warmup import warm_up
 
     engine, _ = merged_engine_and_hf
     graphs, loop = engine.wave.graphs, engine.loop
     assert graphs is not None
     warm_up(engine, [4], progress=False)
-    captures, replays = graphs.stats.captures, graphs.stats.forward_replays
+    captures, replays = graphs.stats.captures, graphs.stats.merged_replays
     handles = []
     for i in range(4):  # waves of one request joining every iteration: merged steps of 1-2 waves
         handles.append(loop.submit(engine.make_request(prompt=f"user w{i + 30} item", n=4)))
@@ -349,5 +356,5 @@ def test_warm_up_captures_merged_forwards_so_traffic_only_replays(merged_engine_
     while not all(h.future.done() for h in handles):
         loop.run_once()
     assert all(len(h.future.result().choices) == 4 for h in handles)
-    assert graphs.stats.forward_replays > replays
+    assert graphs.stats.merged_replays > replays
     assert graphs.stats.captures == captures, "traffic captured a graph the warm-up left out"

@@ -137,7 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: the Triton small-row GEMM (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--host-threads", type=int, default=None, metavar="N",
                      help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
-    e2e.add_argument("--merge-beam-steps", action="store_true",
+    e2e.add_argument("--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
                      help="with --engine: one forward for all waves' beam steps (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
@@ -235,10 +235,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "cores on CPU)",
     )  # fmt: skip
     p.add_argument(
-        "--merge-beam-steps", action="store_true",
-        help="run the beam steps of all waves in flight as one model forward per loop "
-        "iteration (each wave keeps its own selection); with CUDA graphs only where the Triton "
-        "beam kernel runs the steps (the CUDA default). Not yet measured on a GPU: off by default",
+        "--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
+        help="run the beam steps of the waves in flight as one model forward per loop "
+        "iteration (each wave keeps its own selection); with CUDA graphs, small waves through "
+        "one captured graph, and only where the Triton beam kernel runs the steps. Default: on "
+        "where those graphs run (the CUDA default), off elsewhere",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
@@ -558,9 +559,9 @@ _BENCH_ENGINE_FLAGS = (
 
 def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields `bench --engine` sets away from their defaults (a flag not given is
-    None, or False for a switch)."""
+    None)."""
     given = {f: getattr(args, f) for f in _BENCH_ENGINE_FLAGS}
-    out = {f: v for f, v in given.items() if v is not None and v is not False}
+    out = {f: v for f, v in given.items() if v is not None}
     if args.prefill_attention != "auto":
         out["prefill_attention"] = args.prefill_attention
     return out

@@ -77,13 +77,15 @@ class EngineConfig(BaseModel):
     one), so the waves in flight step between its pieces and a beam step waits for one piece of
     prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
     measured on a GPU: meant to lower the latency tail under load."""
-    merge_beam_steps: bool = False
-    """The beam steps of all waves in flight run as one model forward per loop iteration
-    (rows of every wave, at whatever level, then each wave's own selection): under load the
-    weights are read once per iteration instead of once per wave (engine/beam_wave.py
-    `advance_together`). Off by default: measured slower on an H100 under open load (session
-    24: iterations 9.6 -> 12.2 ms at 0.7x; each wave's selection after a merged forward runs
-    eagerly, where a wave alone replays one graph of its whole step)."""
+    merge_beam_steps: bool | None = None
+    """The beam steps of the waves in flight run as one model forward per loop iteration (rows
+    of every wave, at whatever level, then each wave's own selection): under load the weights
+    are read once per iteration instead of once per wave (engine/beam_wave.py
+    `advance_together`). With CUDA graphs, small greedy unfiltered waves step through one
+    captured graph of the merged step; other waves step alone. None (the default): on where
+    those graphs run (CUDA graphs with the Triton beam kernel, the CUDA default), off
+    elsewhere. Measured on an H100 under open load (session 25): iterations 11.1 -> 9.5 ms and
+    p50 51 -> 44 ms at 0.7x."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose

@@ -151,12 +151,17 @@ class BeamWave:
         """CUDA graphs of small prefills' forwards; None when prefills always run eagerly."""
         self.prefill_chunk_tokens = prefill_chunk_tokens(ecfg, self.prefill_graphs)
         """A prefill's most new tokens per forward (0: one forward per wave)."""
-        self.merge_steps = ecfg.merge_beam_steps and (
-            self.graphs is None or runner.beam_attention == "triton"
+        merged_graphs = self.graphs is not None and runner.beam_attention == "triton"
+        self.merge_steps = (
+            merged_graphs
+            if ecfg.merge_beam_steps is None
+            else ecfg.merge_beam_steps and (self.graphs is None or merged_graphs)
         )
         """Waves in flight share one forward per beam step (`step_groups`). With CUDA graphs
         that needs the Triton beam kernel, whose graphs take rows of every level in one
-        shape (negative own slots); the FlashInfer cascade's do not, so there it is off."""
+        shape (negative own slots); the FlashInfer cascade's do not, so there it is off. By
+        default (None) on exactly where merged graphs run: eagerly, merging saves only the
+        Python overhead of a forward, measured on no device."""
         self.max_rows = ecfg.max_wave_rows
         self._versions: dict[int, CatalogVersion] = {}  # catalog versions with waves or graphs
         self._in_flight: Counter[int] = Counter()

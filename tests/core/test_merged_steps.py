@@ -290,3 +290,24 @@ def test_merged_graph_shapes_cover_the_waves_a_server_has_in_flight() -> None:
     assert merged_rows([50] * 3, False, True, 8192) is None
     assert merged_rows([50, 16], False, False, 8192) is None
     assert merged_rows([50] * 9, False, False, 8192) is None
+
+
+def test_merged_steps_default_to_where_merged_graphs_run(checkpoint: Path) -> None:
+    """EngineConfig.merge_beam_steps None (the default) is on only where steps replay CUDA
+    graphs with the Triton beam kernel: off on this CPU engine; True turns the eager merge
+    on; the CLI's --merge-beam-steps / --no-merge-beam-steps set it either way."""
+    from flashrec_core.cli import _bench_engine_settings, _build_parser, engine_fields
+
+    assert make_engine(checkpoint).wave.merge_steps is False
+    assert make_engine(checkpoint, merge_beam_steps=True).wave.merge_steps is True
+    parser = _build_parser()
+    flags = ([], ["--merge-beam-steps"], ["--no-merge-beam-steps"])
+    generate = [
+        engine_fields(parser.parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *f]))
+        for f in flags
+    ]
+    assert [g["merge_beam_steps"] for g in generate] == [None, True, False]
+    bench = [
+        _bench_engine_settings(parser.parse_args(["bench", "--engine", "/m", *f])) for f in flags
+    ]
+    assert [b.get("merge_beam_steps") for b in bench] == [None, True, False]

@@ -159,6 +159,20 @@ def record_graph(body: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph
     return graph, output
 
 
+def _execute(captured: _StepGraph | _MergedGraph, replay: bool) -> Any:
+    """A captured step's output: by replay, or (tests) its captured work run eagerly on the same
+    buffers."""
+    if not replay:
+        return captured.body()
+    captured.graph.replay()
+    return captured.output
+
+
+def _owned(sel: Selection) -> Selection:
+    """A copy of a graph's output selection that the next replay cannot overwrite."""
+    return Selection(sel.parent.clone(), sel.code.clone(), sel.node.clone(), sel.score.clone())
+
+
 @dataclass
 class GraphStats:
     replays: int = 0
@@ -187,7 +201,7 @@ class _MergedGraph:
 
     graph: torch.cuda.CUDAGraph
     attention: GraphAttention
-    outputs: list[Selection]
+    output: list[Selection]
     body: Callable[[], list[Selection]]  # the captured work, callable eagerly (tests)
 
 
@@ -321,16 +335,8 @@ class DecodeGraphs:
                     return None
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
-            if replay:
-                graph.graph.replay()
-                self.stats.merged_replays += 1
-                outputs = graph.outputs
-            else:
-                outputs = graph.body()
-            return [
-                Selection(o.parent.clone(), o.code.clone(), o.node.clone(), o.score.clone())
-                for o in outputs
-            ]
+            self.stats.merged_replays += replay
+            return [_owned(sel) for sel in _execute(graph, replay)]
 
     def capture_merged(
         self, width: int, shapes: Sequence[MergedShape], suffix_width: int,
@@ -459,14 +465,8 @@ class DecodeGraphs:
                     return self._step(level, step, score, node, layout, replay, variant, masks)
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
-            if replay:
-                graph.graph.replay()
-                self.stats.replays += 1
-                out = graph.output
-            else:
-                out = graph.body()
-            return Selection(out.parent.clone(), out.code.clone(), out.node.clone(),
-                             out.score.clone())  # fmt: skip
+            self.stats.replays += replay
+            return _owned(_execute(graph, replay))
 
     def _capture(
         self, key: tuple[int, int, int, int, bool], step: StepInput, layout: BeamLayout,

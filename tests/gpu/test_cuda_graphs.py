@@ -285,13 +285,12 @@ def test_a_merged_step_replays_like_its_captured_work_run_eagerly(merged_engine_
     assert graphs is not None and engine.wave.merge_steps
     captures, replays = graphs.stats.captures, graphs.stats.merged_replays
     for seed in range(2):
-        parts = [
-            MergedPart(*_step(engine, layout, seed + k, level=level, first_own=2000 + 100 * k),
-                       layout)
-            for k, (level, layout) in enumerate(
-                [(2, BeamLayout.create([8] * 2, dev)), (1, BeamLayout.create([8] * 4, dev))]
-            )
-        ]  # fmt: skip
+        parts = []
+        for k, (level, layout) in enumerate(
+            [(2, BeamLayout.create([8] * 2, dev)), (1, BeamLayout.create([8] * 4, dev))]
+        ):
+            _, step, score, node = _step(engine, layout, seed + k, level, 2000 + 100 * k)
+            parts.append(MergedPart(level, step, score, node, layout))
         replayed = graphs.run_merged(parts, len(LEVELS) - 1, None)
         eager = graphs.run_merged(parts, len(LEVELS) - 1, None, replay=False)
         assert replayed is not None and eager is not None and len(replayed) == 2

@@ -233,7 +233,7 @@ class DecodeGraphs:
         # (variant, width, shape)
         self._merged: dict[tuple[int, int, MergedShape], _MergedGraph] = {}
         self._merged_failed: dict[tuple[int, int, MergedShape], str] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool: Any = None  # the graphs' memory pool, made by the first capture
         dev = runner.device
         with torch.inference_mode():
             self._ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
@@ -309,7 +309,8 @@ class DecodeGraphs:
         """Each part's selection after one forward over all their rows, by replay of the graph
         of their shape (captured on first use); None when that shape's capture failed (the
         caller steps the waves alone). `suffix_width`: the most own slots a row carries
-        (depth - 1). `replay=False` runs the captured work eagerly on the same buffers."""
+        (depth - 1). `replay=False` runs the same work eagerly on the same buffers (captured
+        or not: the reference a replay must equal; tests)."""
         variant = variant or self.default
         width = parts[0].layout.max_width
         shape = tuple((p.level, p.layout.widths.numel()) for p in parts)
@@ -326,6 +327,9 @@ class DecodeGraphs:
                 self._score[start:end].copy_(p.score)
                 self._node[start:end].copy_(p.node)
                 start = end
+            if graph is None and not replay:  # the eager reference of a shape not captured
+                _, body = self._merged_body(shape, step, parts, variant.trie, suffix_width)
+                return [_owned(sel) for sel in body()]
             if graph is None:
                 try:
                     graph = self._capture_merged(key, step, parts, variant.trie, suffix_width)
@@ -366,14 +370,15 @@ class DecodeGraphs:
         self._pos[:rows].copy_(step.positions, non_blocking=True)
         self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
 
-    def _capture_merged(
-        self, key: tuple[int, int, MergedShape], step: StepInput, parts: Sequence[MergedPart],
-        trie: Trie, suffix_width: int,
-    ) -> _MergedGraph:  # fmt: skip
-        _, width, shape = key
+    def _merged_body(
+        self, shape: MergedShape, step: StepInput, parts: Sequence[MergedPart], trie: Trie,
+        suffix_width: int,
+    ) -> tuple[GraphAttention, Callable[[], list[Selection]]]:  # fmt: skip
+        """A merged step's work on the graph buffers: its attention (planned for `step`) and
+        the closure a capture records (a forward over every part's rows, then each part's
+        selection on its slice)."""
         num_requests = sum(count for _, count in shape)
         rows = step.input_ids.numel()
-        start = time.perf_counter()
         attention = self.runner.attn_backend.graph_attention(
             num_requests, rows, suffix_width=suffix_width
         )
@@ -393,11 +398,27 @@ class DecodeGraphs:
                 for level, layout, a, b in shares
             ]  # fmt: skip
 
-        graph, outputs = record_graph(body, self._pool)
+        return attention, body
+
+    def _capture_merged(
+        self, key: tuple[int, int, MergedShape], step: StepInput, parts: Sequence[MergedPart],
+        trie: Trie, suffix_width: int,
+    ) -> _MergedGraph:  # fmt: skip
+        _, width, shape = key
+        start = time.perf_counter()
+        attention, body = self._merged_body(shape, step, parts, trie, suffix_width)
+        graph, outputs = record_graph(body, self._graph_pool())
         captured = _MergedGraph(graph, attention, outputs, body)
         self._merged[key] = captured
         self._note_capture(start, f"merged beam step: (level, requests) {shape} x {width}")
         return captured
+
+    def _graph_pool(self) -> Any:
+        """The memory pool every graph of this engine shares (made on first use, so that the
+        eager reference of a merged step runs on a machine without CUDA: tests)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def _note_capture(self, start: float, what: str) -> None:
         seconds = time.perf_counter() - start
@@ -488,7 +509,7 @@ class DecodeGraphs:
                 None, masks,
             )  # fmt: skip
 
-        graph, output = record_graph(body, self._pool)
+        graph, output = record_graph(body, self._graph_pool())
         captured = _StepGraph(graph, attention, layout, output, body)
         self._graphs[key] = captured
         filtered_note = ", filtered" if filtered else ""

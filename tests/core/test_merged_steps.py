@@ -311,3 +311,49 @@ def test_merged_steps_default_to_where_merged_graphs_run(checkpoint: Path) -> No
         _bench_engine_settings(parser.parse_args(["bench", "--engine", "/m", *f])) for f in flags
     ]
     assert [b.get("merge_beam_steps") for b in bench] == [None, True, False]
+
+
+def test_a_merged_graphs_work_selects_as_the_eager_merged_step(checkpoint: Path) -> None:
+    """What a merged step graph records, run eagerly on the CPU (`DecodeGraphs.run_merged`
+    with replay=False): two real waves in flight (levels 2 and 1) planned into the graph
+    buffers with own slots widened to depth - 1, one forward, each wave's selection on its
+    slice of rows, scores and nodes. It must select exactly as the eager merged step does
+    (`advance_together` without graphs: the same forward on an eager plan, then each wave's
+    selection): the same kernels over the same rows, so any wrong offset, level or buffer
+    shows as a different parent, code, node or score."""
+    pytest.importorskip("triton")
+    from flashrec_core.engine.cuda_graph import DecodeGraphs, MergedPart
+
+    engine = make_engine(
+        checkpoint, dtype="bfloat16", beam_attention="triton", prefill_attention="triton",
+        triton_on_cpu=True, merge_beam_steps=True, enable_fused_rms_fp8=False,
+        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
+    )  # fmt: skip
+    wave, loop = engine.wave, engine.loop
+    handles = []
+    for spec in (dict(prompt="w1 w2 w3", n=4), dict(prompt="w4 w5", n=4)):
+        handles.append(loop.submit(engine.make_request(**spec)))
+        loop.run_once()
+    states = [w.state for w in loop._waves]
+    assert [s.level for s in states] == [2, 1], "one wave per level in flight"
+    parts = [wave._step_parts(s, pad=False) for s in states]
+    graphs = DecodeGraphs(engine.runner, wave.selector, wave.trie, wave.max_rows)
+    merged = [
+        MergedPart(s.level, p.step, p.sel.score, p.sel.node, p.beams)
+        for s, p in zip(states, parts)
+    ]  # fmt: skip
+    recorded = graphs.run_merged(merged, wave.depth - 1, states[0].variant, replay=False)
+    hidden = engine.runner.forward(concat_beam_steps([p.step for p in parts]))
+    assert recorded is not None and len(recorded) == 2
+    start = 0
+    for state, part, got in zip(states, parts, recorded):
+        rows = part.beams.num_rows
+        want = wave._select_step(state, part, hidden[start : start + rows])
+        start += rows
+        for name in ("parent", "code", "node", "score"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (
+                f"level {state.level}: {name}"
+            )
+    while not all(h.future.done() for h in handles):  # the waves finish; nothing leaks
+        loop.run_once()
+    assert_idle(engine)

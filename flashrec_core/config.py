@@ -81,7 +81,7 @@ class EngineConfig(BaseModel):
     """The beam steps of the waves in flight run as one model forward per loop iteration (rows
     of every wave, at whatever level, then each wave's own selection): under load the weights
     are read once per iteration instead of once per wave (engine/beam_wave.py
-    `advance_together`). With CUDA graphs, small greedy unfiltered waves step through one
+    `advance_together`). With CUDA graphs, small greedy waves step through one
     captured graph of the merged step; other waves step alone. None (the default): on where
     those graphs run (CUDA graphs with the Triton beam kernel, the CUDA default), off
     elsewhere. Measured on an H100 under open load (session 25): iterations 11.1 -> 9.5 ms and

@@ -479,7 +479,7 @@ class BeamWave:
         if self.graphs is not None:
             parts = [self._step_parts(state, pad=True) for state in states]
             merged = [
-                MergedPart(state.level, p.step, p.sel.score, p.sel.node, p.beams)
+                MergedPart(state.level, p.step, p.sel.score, p.sel.node, p.beams, state.masks)
                 for state, p in zip(states, parts)
             ]  # fmt: skip
             sels = self.graphs.run_merged(merged, self.depth - 1, states[0].variant)
@@ -502,9 +502,9 @@ class BeamWave:
         """The waves (indices into `states`) whose beam steps share a forward: with
         `merge_steps`, waves in order while their rows fit `max_wave_rows` together (the
         activations and graph buffers are sized for that); with CUDA graphs only small greedy
-        unfiltered waves of one n and one catalog version (`cuda_graph.merged_rows`: one
-        merged graph takes them, pad rows counted), every other wave alone, replaying its own
-        step graph. Without `merge_steps`, each wave alone."""
+        waves of one n and one catalog version (`cuda_graph.merged_rows`: one merged graph
+        takes them, pad rows counted), every other wave alone, replaying its own step graph.
+        Without `merge_steps`, each wave alone."""
         if not self.merge_steps:
             return [[i] for i in range(len(states))]
         groups: list[list[int]] = []
@@ -514,12 +514,13 @@ class BeamWave:
             key, wave_rows = (0, 0), sum(widths)
             if self.graphs is not None:
                 sampling = state.noise is not None and state.noise.sampling
-                padded = merged_rows(widths, sampling, state.masks is not None, self.max_rows)
-                if padded is None:
+                padded = self.graphs.padded_requests(widths, sampling, state.masks)
+                rows = merged_rows(padded, widths[0], self.max_rows)
+                if rows is None:
                     groups.append([i])
                     continue
                 key = (widths[0], state.variant.key if state.variant is not None else 0)
-                wave_rows = padded
+                wave_rows = rows
             group, rows = open_groups.get(key, ([], 0))
             if not group or rows + wave_rows > self.max_rows:
                 group, rows = [], 0
@@ -530,14 +531,22 @@ class BeamWave:
 
     def capture_merged_steps(self, width: int, version: CatalogVersion | None = None) -> int:
         """Capture the merged step graphs traffic at `width` meets (`merged_shapes`), on the
-        trie of catalog `version` (None: the default); how many shapes. Nothing without
-        merged steps on CUDA graphs."""
+        trie of catalog `version` (None: the default), unfiltered and, where the catalog has
+        an item index, with every wave filtered; how many graphs. Nothing without merged
+        steps on CUDA graphs."""
         if self.graphs is None or not self.merge_steps:
             return 0
         variant = self._variant(version) if version is not None else None
+        trie = variant.trie if variant is not None else self.trie
+        index = version.index if version is not None else self.catalog_index
+        filters = None
+        if index is not None:  # masks of no request: the buffers' shapes, nothing to copy
+            template = FilterMasks.create([index.allow_all()], index, trie, self.runner.device)
+            assert template is not None, "one filter gives masks"
+            filters = template.select(torch.zeros(0, dtype=torch.int64, device=self.runner.device))
         shapes = merged_shapes(width, self.depth, self.max_rows)
-        self.graphs.capture_merged(width, shapes, self.depth - 1, variant)
-        return len(shapes)
+        self.graphs.capture_merged(width, shapes, self.depth - 1, variant, filters)
+        return len(shapes) * (2 if filters is not None else 1)
 
     def _step_parts(self, state: WaveState, pad: bool) -> _StepParts:
         """The wave's inputs of its next beam step; with `pad`, padded to the graph shape it

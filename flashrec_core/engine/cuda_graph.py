@@ -25,8 +25,9 @@ Capture happens on first use of a shape; the server's warm-up (and its catalog r
 
 Merged steps (`merge_beam_steps`). Small waves in flight at once (each padded to a capture size
 of at most `MERGE_MAX_REQUESTS` requests and `MERGE_MAX_ROWS` rows) step through one graph: one
-model forward over all their rows, then each wave's own selection on its rows, all captured,
-keyed by the (level, padded request count) of every wave in order. Such a forward is bound by
+model forward over all their rows, then each wave's own selection on its rows (a filtered wave's
+through its level's mask buffer, as alone), all captured, keyed by the (level, padded request
+count) of every wave in order and which waves are filtered. Such a forward is bound by
 reading the weights (a 50-row forward's GEMMs take 1.88 ms on an H100, a 512-row one's 2.25),
 so two waves pay for about one read instead of two; a larger wave's forward is bound by its
 own rows and steps alone. `merged_shapes` lists the shapes the server's warm-up captures.
@@ -97,20 +98,20 @@ def merge_counts(width: int, max_rows: int) -> list[int]:
     ]  # fmt: skip
 
 
-def merged_rows(widths: list[int], sampling: bool, filtered: bool, max_rows: int) -> int | None:
-    """The rows a wave of these beam widths takes in a merged step graph (padded), or None: it
-    steps alone. Only greedy, unfiltered waves of one width padded to a count of
-    `merge_counts` merge."""
-    if filtered:
+def merged_rows(padded: int | None, width: int, max_rows: int) -> int | None:
+    """The rows a wave of `width` padded to `padded` requests (`DecodeGraphs.padded_requests`:
+    None for a wave that runs eagerly) takes in a merged step graph, or None: it steps alone.
+    Only waves padded to a count of `merge_counts` merge."""
+    if padded is None or padded not in merge_counts(width, max_rows):
         return None
-    padded, _ = graph_padding(widths, sampling, max_rows)
-    if padded is None or padded not in merge_counts(widths[0], max_rows):
-        return None
-    return padded * widths[0]
+    return padded * width
 
 
 MergedShape = tuple[tuple[int, int], ...]
 """(level, padded request count) of each wave of a merged step, oldest wave first."""
+
+_MergedKey = tuple[int, int, MergedShape, tuple[bool, ...]]
+"""A merged graph's key: catalog variant, beam width, shape, and which parts are filtered."""
 
 
 def merged_shapes(width: int, depth: int, max_rows: int) -> list[MergedShape]:
@@ -194,6 +195,7 @@ class MergedPart:
     score: torch.Tensor  # [rows] the parents' path scores
     node: torch.Tensor  # [rows] the parents' trie nodes
     layout: BeamLayout  # the rows, pad requests included
+    masks: FilterMasks | None = None  # the wave's item-filter masks (its real requests' rows)
 
 
 @dataclass
@@ -230,9 +232,9 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int, int, bool], _StepGraph] = {}
         self._failed: dict[tuple[int, int, int, int, bool], str] = {}  # why capture failed
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
-        # (variant, width, shape)
-        self._merged: dict[tuple[int, int, MergedShape], _MergedGraph] = {}
-        self._merged_failed: dict[tuple[int, int, MergedShape], str] = {}
+        # (variant, width, shape, which parts are filtered)
+        self._merged: dict[_MergedKey, _MergedGraph] = {}
+        self._merged_failed: dict[_MergedKey, str] = {}
         self._pool: Any = None  # the graphs' memory pool, made by the first capture
         dev = runner.device
         with torch.inference_mode():
@@ -314,9 +316,13 @@ class DecodeGraphs:
         variant = variant or self.default
         width = parts[0].layout.max_width
         shape = tuple((p.level, p.layout.widths.numel()) for p in parts)
-        key = (variant.key, width, shape)
+        filtered = tuple(p.masks is not None for p in parts)
+        key = (variant.key, width, shape, filtered)
         if key in self._merged_failed:
             return None
+        filtered_levels = [p.level for p in parts if p.masks is not None]
+        if len(set(filtered_levels)) < len(filtered_levels):
+            return None  # two filtered waves at one level would share its mask buffer
         step = concat_beam_steps([p.step for p in parts])
         graph = self._merged.get(key)
         with torch.inference_mode():
@@ -327,12 +333,19 @@ class DecodeGraphs:
                 self._score[start:end].copy_(p.score)
                 self._node[start:end].copy_(p.node)
                 start = end
+            masks = [
+                self._mask_input(variant.key, p.level, p.layout, p.masks)
+                if p.masks is not None else None
+                for p in parts
+            ]  # fmt: skip
             if graph is None and not replay:  # the eager reference of a shape not captured
-                _, body = self._merged_body(shape, step, parts, variant.trie, suffix_width)
+                _, body = self._merged_body(shape, step, parts, masks, variant.trie, suffix_width)
                 return [_owned(sel) for sel in body()]
             if graph is None:
                 try:
-                    graph = self._capture_merged(key, step, parts, variant.trie, suffix_width)
+                    graph = self._capture_merged(
+                        key, step, parts, masks, variant.trie, suffix_width
+                    )
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
                     why = f"capture of merged step {shape} x {width} failed: {exc}"
                     self._merged_failed[key] = why
@@ -345,24 +358,27 @@ class DecodeGraphs:
 
     def capture_merged(
         self, width: int, shapes: Sequence[MergedShape], suffix_width: int,
-        variant: GraphVariant | None = None,
+        variant: GraphVariant | None = None, filters: FilterMasks | None = None,
     ) -> None:  # fmt: skip
         """Capture the merged step graphs of `shapes` at `width` on `variant`'s trie from waves
         of pad requests (dead beams: they read and write only the pad slot), so traffic replays
-        them (the server's warm-up)."""
+        them (the server's warm-up). With `filters` (masks of no request, the catalog's level
+        sizes) each shape is captured a second time with every wave filtered: traffic whose
+        requests mostly carry filters merges too (waves mixing the two capture on first use)."""
         dev, key = self.runner.device, (variant or self.default).key
         for shape in shapes:
-            if (key, width, shape) in self._merged:
-                continue
-            parts = []
-            for level, count in shape:
-                layout = BeamLayout.create([width] * count, dev)
-                rows = layout.num_rows
-                score = torch.full((rows,), NEG_INF, dtype=torch.float32, device=dev)
-                node = torch.zeros(rows, dtype=torch.int64, device=dev)
-                step = pad_requests_step(count, width, dev)
-                parts.append(MergedPart(level, step, score, node, layout))
-            self.run_merged(parts, suffix_width, variant)
+            for masks in [None] + ([filters] if filters is not None else []):
+                if (key, width, shape, (masks is not None,) * len(shape)) in self._merged:
+                    continue
+                parts = []
+                for level, count in shape:
+                    layout = BeamLayout.create([width] * count, dev)
+                    rows = layout.num_rows
+                    score = torch.full((rows,), NEG_INF, dtype=torch.float32, device=dev)
+                    node = torch.zeros(rows, dtype=torch.int64, device=dev)
+                    step = pad_requests_step(count, width, dev)
+                    parts.append(MergedPart(level, step, score, node, layout, masks))
+                self.run_merged(parts, suffix_width, variant)
 
     def _copy_inputs(self, step: StepInput) -> None:
         rows = step.input_ids.numel()
@@ -371,12 +387,12 @@ class DecodeGraphs:
         self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
 
     def _merged_body(
-        self, shape: MergedShape, step: StepInput, parts: Sequence[MergedPart], trie: Trie,
-        suffix_width: int,
+        self, shape: MergedShape, step: StepInput, parts: Sequence[MergedPart],
+        masks: Sequence[FilterMasks | None], trie: Trie, suffix_width: int,
     ) -> tuple[GraphAttention, Callable[[], list[Selection]]]:  # fmt: skip
         """A merged step's work on the graph buffers: its attention (planned for `step`) and
         the closure a capture records (a forward over every part's rows, then each part's
-        selection on its slice)."""
+        selection on its slice, filtered parts through their mask buffers `masks`)."""
         num_requests = sum(count for _, count in shape)
         rows = step.input_ids.numel()
         attention = self.runner.attn_backend.graph_attention(
@@ -384,7 +400,10 @@ class DecodeGraphs:
         )
         metadata = self.runner.attn_backend.plan(step, graph=attention)
         bounds = list(itertools.accumulate((p.layout.num_rows for p in parts), initial=0))
-        shares = [(p.level, p.layout, a, b) for p, a, b in zip(parts, bounds, bounds[1:])]
+        shares = [
+            (p.level, p.layout, m, a, b)
+            for p, m, a, b in zip(parts, masks, bounds, bounds[1:])
+        ]  # fmt: skip
 
         def body() -> list[Selection]:
             hidden = self.runner.forward_batch(
@@ -393,24 +412,25 @@ class DecodeGraphs:
             return [
                 self.selector.select(
                     trie, level, hidden[a:b], self._score[a:b], self._node[a:b], layout,
-                    layout, None, None,
+                    layout, None, m,
                 )
-                for level, layout, a, b in shares
+                for level, layout, m, a, b in shares
             ]  # fmt: skip
 
         return attention, body
 
     def _capture_merged(
-        self, key: tuple[int, int, MergedShape], step: StepInput, parts: Sequence[MergedPart],
-        trie: Trie, suffix_width: int,
+        self, key: _MergedKey, step: StepInput, parts: Sequence[MergedPart],
+        masks: Sequence[FilterMasks | None], trie: Trie, suffix_width: int,
     ) -> _MergedGraph:  # fmt: skip
-        _, width, shape = key
+        _, width, shape, filtered = key
         start = time.perf_counter()
-        attention, body = self._merged_body(shape, step, parts, trie, suffix_width)
+        attention, body = self._merged_body(shape, step, parts, masks, trie, suffix_width)
         graph, outputs = record_graph(body, self._graph_pool())
         captured = _MergedGraph(graph, attention, outputs, body)
         self._merged[key] = captured
-        self._note_capture(start, f"merged beam step: (level, requests) {shape} x {width}")
+        note = f", filtered {filtered}" if any(filtered) else ""
+        self._note_capture(start, f"merged beam step: (level, requests) {shape} x {width}{note}")
         return captured
 
     def _graph_pool(self) -> Any:

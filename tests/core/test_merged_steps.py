@@ -283,13 +283,11 @@ def test_merged_graph_shapes_cover_the_waves_a_server_has_in_flight() -> None:
     assert ((3, 4), (1, 4)) in depth4 and ((3, 1), (2, 2), (1, 4)) in depth4
     assert not any(count == 8 for shape in depth4 for _, count in shape)
     assert merged_shapes(1024, 3, 8192) == [] and merged_shapes(50, 2, 8192) == []
-    # a wave's rows in a merged graph are its padded rows; sampled, filtered, mixed-n or
-    # too-large waves step alone
-    assert merged_rows([50] * 3, False, False, 8192) == 200
-    assert merged_rows([50] * 3, True, False, 8192) is None
-    assert merged_rows([50] * 3, False, True, 8192) is None
-    assert merged_rows([50, 16], False, False, 8192) is None
-    assert merged_rows([50] * 9, False, False, 8192) is None
+    # a wave's rows in a merged graph are its padded rows (3 requests of 50 replay a 4-request
+    # graph); a wave that runs eagerly (None: sampled, mixed n) or pads past 8 steps alone
+    assert merged_rows(4, 50, 8192) == 200
+    assert merged_rows(None, 50, 8192) is None and merged_rows(16, 50, 8192) is None
+    assert merged_rows(1, 512, 8192) == 512 and merged_rows(1, 1024, 8192) is None
 
 
 def test_merged_steps_default_to_where_merged_graphs_run(checkpoint: Path) -> None:
@@ -313,15 +311,22 @@ def test_merged_steps_default_to_where_merged_graphs_run(checkpoint: Path) -> No
     assert [b.get("merge_beam_steps") for b in bench] == [None, True, False]
 
 
-def test_a_merged_graphs_work_selects_as_the_eager_merged_step(checkpoint: Path) -> None:
+@pytest.mark.parametrize("filtered", [(), (0, 1), (0,)], ids=["unfiltered", "both", "older"])
+def test_a_merged_graphs_work_selects_as_the_eager_merged_step(
+    checkpoint: Path, filtered: tuple[int, ...]
+) -> None:
     """What a merged step graph records, run eagerly on the CPU (`DecodeGraphs.run_merged`
     with replay=False): two real waves in flight (levels 2 and 1) planned into the graph
     buffers with own slots widened to depth - 1, one forward, each wave's selection on its
-    slice of rows, scores and nodes. It must select exactly as the eager merged step does
+    slice of rows, scores and nodes, filtered waves (`filtered`: which) through their
+    level's mask buffer. It must select exactly as the eager merged step does
     (`advance_together` without graphs: the same forward on an eager plan, then each wave's
-    selection): the same kernels over the same rows, so any wrong offset, level or buffer
-    shows as a different parent, code, node or score."""
+    selection with its own masks): the same kernels over the same rows, so any wrong
+    offset, level, buffer or mask shows as a different parent, code, node or score. The
+    filters allow 8 items, so at every level a selection that ignored them would differ."""
     pytest.importorskip("triton")
+    from dataclasses import replace
+
     from flashrec_core.engine.cuda_graph import DecodeGraphs, MergedPart
 
     engine = make_engine(
@@ -330,23 +335,30 @@ def test_a_merged_graphs_work_selects_as_the_eager_merged_step(checkpoint: Path)
         enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
     )  # fmt: skip
     wave, loop = engine.wave, engine.loop
+    allowed = list(engine.catalog_index.item_ids[::7][:8])
     handles = []
-    for spec in (dict(prompt="w1 w2 w3", n=4), dict(prompt="w4 w5", n=4)):
-        handles.append(loop.submit(engine.make_request(**spec)))
+    for i, prompt in enumerate(("w1 w2 w3", "w4 w5")):
+        extra = {"allow_items": allowed} if i in filtered else {}
+        handles.append(loop.submit(engine.make_request(prompt=prompt, n=4, **extra)))
         loop.run_once()
     states = [w.state for w in loop._waves]
     assert [s.level for s in states] == [2, 1], "one wave per level in flight"
+    assert [s.masks is not None for s in states] == [i in filtered for i in range(2)]
     parts = [wave._step_parts(s, pad=False) for s in states]
     graphs = DecodeGraphs(engine.runner, wave.selector, wave.trie, wave.max_rows)
     merged = [
-        MergedPart(s.level, p.step, p.sel.score, p.sel.node, p.beams)
+        MergedPart(s.level, p.step, p.sel.score, p.sel.node, p.beams, s.masks)
         for s, p in zip(states, parts)
     ]  # fmt: skip
-    recorded = graphs.run_merged(merged, wave.depth - 1, states[0].variant, replay=False)
+    variant = states[0].variant
+    recorded = graphs.run_merged(merged, wave.depth - 1, variant, replay=False)
+    unmasked = graphs.run_merged(
+        [replace(m, masks=None) for m in merged], wave.depth - 1, variant, replay=False
+    )
     hidden = engine.runner.forward(concat_beam_steps([p.step for p in parts]))
-    assert recorded is not None and len(recorded) == 2
+    assert recorded is not None and unmasked is not None and len(recorded) == 2
     start = 0
-    for state, part, got in zip(states, parts, recorded):
+    for i, (state, part, got) in enumerate(zip(states, parts, recorded)):
         rows = part.beams.num_rows
         want = wave._select_step(state, part, hidden[start : start + rows])
         start += rows
@@ -354,6 +366,8 @@ def test_a_merged_graphs_work_selects_as_the_eager_merged_step(checkpoint: Path)
             assert torch.equal(getattr(got, name), getattr(want, name)), (
                 f"level {state.level}: {name}"
             )
+        if i in filtered:
+            assert not torch.equal(got.node, unmasked[i].node), "the filter changed nothing"
     while not all(h.future.done() for h in handles):  # the waves finish; nothing leaks
         loop.run_once()
     assert_idle(engine)

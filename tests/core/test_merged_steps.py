@@ -225,6 +225,16 @@ def test_merged_steps_through_the_triton_kernel_match_separate_steps(checkpoint:
         assert_same_beams_within(dict(ranking(h.future.result())), dict(ranking(ref)), BEAM_TOL)
 
 
+def _graph_stack_engine(checkpoint: Path):
+    """The CUDA engine's backend stack on the CPU (BF16; Triton prefill over Triton beam steps,
+    interpreted, over torch; the fused FP8 paths off) with merged steps."""
+    return make_engine(
+        checkpoint, dtype="bfloat16", beam_attention="triton", prefill_attention="triton",
+        triton_on_cpu=True, merge_beam_steps=True, enable_fused_rms_fp8=False,
+        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
+    )  # fmt: skip
+
+
 def test_a_merged_graph_shape_plans_through_the_engines_backend_stack(checkpoint: Path) -> None:
     """What a merged step's forward graph replays, without the capture (CPU): the engine's
     backend stack (Triton prefill over Triton beam steps over torch) plans a merged step padded
@@ -234,11 +244,7 @@ def test_a_merged_graph_shape_plans_through_the_engines_backend_stack(checkpoint
     pytest.importorskip("triton")
     from flashrec_core.engine.beam_inputs import pad_requests_step
 
-    engine = make_engine(
-        checkpoint, dtype="bfloat16", beam_attention="triton", prefill_attention="triton",
-        triton_on_cpu=True, merge_beam_steps=True, enable_fused_rms_fp8=False,
-        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
-    )  # fmt: skip
+    engine = _graph_stack_engine(checkpoint)
     runner, depth = engine.runner, engine.wave.depth
     gen = torch.Generator().manual_seed(3)
     parts = [
@@ -329,11 +335,7 @@ def test_a_merged_graphs_work_selects_as_the_eager_merged_step(
 
     from flashrec_core.engine.cuda_graph import DecodeGraphs, MergedPart
 
-    engine = make_engine(
-        checkpoint, dtype="bfloat16", beam_attention="triton", prefill_attention="triton",
-        triton_on_cpu=True, merge_beam_steps=True, enable_fused_rms_fp8=False,
-        enable_fused_silu_fp8=False, enable_fused_qk_rope_kv=False,
-    )  # fmt: skip
+    engine = _graph_stack_engine(checkpoint)
     wave, loop = engine.wave, engine.loop
     allowed = list(engine.catalog_index.item_ids[::7][:8])
     handles = []

@@ -303,10 +303,12 @@ def test_a_merged_step_replays_like_its_captured_work_run_eagerly(merged_engine_
 
 
 def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
-    """Requests joining every iteration (waves at levels 1 and 2 in flight), one filtered and
-    one sampled (they step alone): the two greedy waves in flight together replay a merged
-    step graph, and every returned beam scores as fp32 transformers scores it (a wrong slot,
-    level or row offset gives whole nats)."""
+    """Requests joining every iteration (waves at levels 1 and 2 in flight): greedy waves,
+    filtered ones (an exclude list, an allow list) and a sampled one (it steps alone). Waves in
+    flight together replay merged step graphs (greedy with greedy, greedy with filtered,
+    filtered with filtered); every returned beam scores as fp32 transformers scores it (a
+    wrong slot, level or row offset gives whole nats) and keeps to its request's filter (a
+    mask buffer read wrong lets other items through)."""
     engine, hf = merged_engine_and_hf
     graphs, loop = engine.wave.graphs, engine.loop
     assert graphs is not None
@@ -315,6 +317,7 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
         dict(prompt="user w1 w2 item", n=8),
         dict(prompt="user w8 w9 item", n=8),
         dict(prompt="user w3 item", n=8, exclude_items=list(items[::3])),
+        dict(prompt="user w2 w6 item", n=8, allow_items=list(items[1::5])),
         dict(prompt="user w4 w5 w6 item", n=8, temperature=0.7, seed=2),
         dict(prompt="user w7 item", n=8),
     ]
@@ -334,10 +337,13 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
     assert stats.beam_steps - steps == 2 * len(specs)
     assert stats.beam_forwards - forwards < stats.beam_steps - steps, "no merged forward"
     assert graphs.stats.merged_replays > replays
-    for req, h in zip(requests, handles):
+    for spec, req, h in zip(specs, requests, handles):
         for c in h.future.result().choices:
             exact = teacher_forced_logprob(hf, req.prompt_ids, engine.layout, c.codes)
             assert abs(c.logprob - exact) < BF16_BOUND, f"{c.codes}: {c.logprob:.4f} vs {exact:.4f}"
+            # a choice's items are its SID's items that the request's filter keeps: none left
+            # means the beam went where the filter's masks should have closed
+            assert c.items, f"{spec}: {c.codes} has no item the request allows"
 
 
 def test_warm_up_captures_merged_steps_so_traffic_only_replays(merged_engine_and_hf) -> None:

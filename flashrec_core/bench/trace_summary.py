@@ -101,8 +101,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     walls = [e["dur"] / 1e3 for e in iterations]
     host_ms["other"] = max(0.0, sum(walls) - sum(host_ms.values()))
     count = len(iterations)
-    window_us = iterations[-1]["ts"] + iterations[-1]["dur"] - iterations[0]["ts"]
     lo, hi = iterations[0]["ts"], iterations[-1]["ts"] + iterations[-1]["dur"]
+    window_us = hi - lo
     busy = _union_us([(e["ts"], min(hi, e["ts"] + e["dur"])) for e in gpu if lo <= e["ts"] <= hi])
     names = sorted(set(host_ms) | set(gpu_ms), key=lambda k: -host_ms.get(k, 0.0))
     return {

@@ -125,6 +125,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --server: a torch.profiler window of S seconds during each "
                      "open-loop rate (needs serve --torch-profile-dir); its loop summary is "
                      "printed and kept in --out")  # fmt: skip
+    e2e.add_argument("--trace-dir", metavar="DIR", default=None,
+                     help="with --engine: one more (untimed) Engine.generate call of the same size "
+                     "under a torch.profiler window; its trace goes here and its loop summary is "
+                     "printed and kept in --out")  # fmt: skip
     e2e.add_argument("--exclude-items", type=int, default=0,
                      help="with --engine: each request excludes this many random items")  # fmt: skip
     e2e.add_argument("--allow-items", type=int, default=0,
@@ -608,7 +612,10 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
             Path(args.engine), args.n, args.requests, args.prompt_len, args.shared_prefix,
             level_sizes, exclude_items=args.exclude_items, allow_items=args.allow_items,
             filter_categories=args.filter_categories, engine_settings=_bench_engine_settings(args),
+            trace_dir=Path(args.trace_dir) if args.trace_dir else None,
         )  # fmt: skip
+        if "trace" in result:
+            print(_window_text(result["trace"]), file=sys.stderr, flush=True)
     else:
         from flashrec_core.bench.load import run_server_bench, server_floor
 
@@ -643,7 +650,8 @@ def _bench_e2e(args: argparse.Namespace, level_sizes: tuple[int, ...]) -> int:
 
 
 def _window_text(window: dict[str, Any]) -> str:
-    """The profiler window of an open-loop run: where its trace is, and the loop summary."""
+    """A profiler window (an open-loop rate's, or bench --engine --trace-dir's): where its trace
+    is, and the loop summary."""
     if "error" in window:
         return f"profile window failed: {window['error']}"
     text = f"profile window: {window['trace']}"

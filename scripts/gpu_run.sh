@@ -131,6 +131,8 @@ engine_bench() {
     "{latency_p50_ms:.0f} ms; unloaded p50 {single_request_p50_ms:.2f} ms; peak {peak_memory_gib:.1f} "
     "GiB (KV pool {kv_pool_gib:.1f}); invalid {invalid_results}".format(**d))' \
     "$out/e2e_engine_n${spec%:*}$tag.json" 2>/dev/null || tail -5 "$out/e2e_engine_n${spec%:*}$tag.log"
+  # with --trace-dir among the flags: the traced call's loop summary (bench/trace_summary.py)
+  grep -A14 "^profile window" "$out/e2e_engine_n${spec%:*}$tag.log" | grep -vE "^  +[0-9.]+  "
 }
 # serve_bench TAG [SERVE FLAGS...]: flashrec serve on the bench checkpoint, then the server bench at
 # the SERVER_SPECS phases; each is printed as it ends and written to $out/e2e_server_nN_cC$TAG.json
@@ -241,7 +243,8 @@ for what in "${@:-tests}"; do
       ensure_checkpoint
       if [[ $what != e2e-server ]]; then
         # E2E_N: the widths to run (default all three; n=1024 with 16 requests, no manual flags);
-        # E2E_ARGS: further bench flags (e.g. "--schedule decode_first"), E2E_TAG their file suffix;
+        # E2E_ARGS: further bench flags (e.g. "--schedule decode_first", or "--trace-dir
+        # $out/traces_engine": one more call under a profiler window), E2E_TAG their file suffix;
         # E2E_AB: more lists of flags separated by ';', each run after the first at every width
         # (file suffixes _b, _c, ...; a list may start with NAME=VALUE words, its environment)
         IFS=';' read -ra engine_variants <<< "${E2E_AB:-}"

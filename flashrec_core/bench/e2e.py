@@ -78,6 +78,7 @@ def bench_engine(
     level_sizes: tuple[int, ...], seed: int = 0, single_runs: int = 20,
     exclude_items: int = 0, allow_items: int = 0, filter_categories: int = 0,
     cache_fill: float = 0.9, engine_settings: dict[str, Any] | None = None,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Engine.generate throughput over fresh requests after a warm-up on other prompts (same
     shapes, same shared prefix) that also fills the prefix cache as a running server's is,
@@ -86,7 +87,10 @@ def bench_engine(
     `filter_categories`, an attribute filter allowing that many random categories of
     `CATEGORIES`
     (built before the clock starts, as a server builds it before submitting).
-    `engine_settings`: EngineConfig fields that differ from their defaults (e.g. `schedule`)."""
+    `engine_settings`: EngineConfig fields that differ from their defaults (e.g. `schedule`).
+    `trace_dir`: afterwards, one more call of the same size on other fresh prompts under a
+    torch.profiler window over the loop (`trace_engine_call`); untimed, since the profiler
+    slows what it watches."""
     from flashrec_core.config import EngineConfig, SearchConfig
     from flashrec_core.engine.engine import Engine
     from flashrec_core.engine.heap import frozen_heap
@@ -124,6 +128,7 @@ def bench_engine(
     ecfg = runner.loaded.engine_config
     floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
     graphs, prefill = engine.wave.graphs, engine.wave.prefill_graphs
+    trace = trace_engine_call(engine, workload(seed + 200), trace_dir) if trace_dir else None
     return {
         "path": "Engine.generate",
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
@@ -159,7 +164,27 @@ def bench_engine(
         "beam_steps": engine.loop.stats().beam_steps,  # warm-up included, as kv_slots_peak_used
         "beam_forwards": engine.loop.stats().beam_forwards,
         "merged_step_replays": graphs.stats.merged_replays if graphs else 0,
+        **({"trace": trace} if trace is not None else {}),
     }
+
+
+def trace_engine_call(
+    engine: Any, requests: list[GenerationRequest], directory: Path
+) -> dict[str, Any]:
+    """One `Engine.generate` call under a profiler window over the engine loop (the window a
+    server's /start_profile opens, here on the calling thread, which drives the loop): where
+    the trace and its operator table went, and the loop summary (bench/trace_summary.py: host
+    and GPU ms an iteration per loop phase, GPU busy share, top kernels)."""
+    from flashrec_core.bench.trace_summary import load_events, summarize
+    from flashrec_core.engine.heap import frozen_heap
+
+    engine.loop.start_trace()
+    try:
+        with frozen_heap():
+            engine.generate(requests)
+    finally:
+        trace, table = engine.loop.stop_trace(directory)
+    return {"trace": str(trace), "table": str(table), "loop": summarize(load_events(trace))}
 
 
 def _fill_prefix_cache(engine: Any, spec: RequestSpec, seed: int, share: float = 0.9) -> None:

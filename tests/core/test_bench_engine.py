@@ -26,7 +26,8 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     run = _bench("--engine", str(ckpt), "-n", "4", "--requests", "8", "--prompt-len", "24",
                  "--shared-prefix", "8", "--level-sizes", LEVELS, "--exclude-items", "50",
                  "--schedule", "decode_first", "--merge-beam-steps",
-                 "--prefill-tokens-per-step", "16", "--out", str(out))  # fmt: skip
+                 "--prefill-tokens-per-step", "16", "--trace-dir", str(tmp_path / "traces"),
+                 "--out", str(out))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text(), parse_constant=_not_json)
     assert result["path"] == "Engine.generate" and result["requests"] == 8
@@ -40,6 +41,13 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     assert result["percent_of_roofline"] is None and result["peak_memory_gib"] is None
     pool_slots = result["kv_pool_gib"] * 2**30 / _bytes_per_slot(ckpt)
     assert 0 < result["kv_slots_peak_used"] < pool_slots
+    # --trace-dir: one more call of 8 requests under a profiler window, summed per loop phase
+    trace = result["trace"]
+    assert Path(trace["trace"]).is_file() and Path(trace["table"]).is_file()
+    loop = trace["loop"]
+    assert loop["iterations"] >= 3 and loop["gpu_busy_share"] is None  # prefill + 2 steps, CPU
+    assert {"admit", "step", "results"} <= set(loop["phases"])
+    assert "profile window: " + trace["trace"] in run.stderr
 
 
 def _not_json(constant: str) -> None:

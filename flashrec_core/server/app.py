@@ -45,7 +45,7 @@ from flashrec_core.engine.heap import freeze_long_lived
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
 from flashrec_core.engine.trace import TraceStateError
 from flashrec_core.server import responses
-from flashrec_core.server.encoding import JSON, dumps
+from flashrec_core.server.encoding import JSON, JSONRoute, dumps
 from flashrec_core.server.errors import APIError, install_error_handlers
 from flashrec_core.server.metrics import ServerMetrics
 from flashrec_core.server.middleware import RequestLogMiddleware
@@ -148,6 +148,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         description="OpenAI-compatible generative recommendation (SID beam search); docs/api.md",
     )  # fmt: skip
     app.state.flashrec = state
+    app.router.route_class = JSONRoute  # request bodies through encoding.loads
     install_error_handlers(app)
     app.add_middleware(RequestLogMiddleware, metrics=state.metrics, enabled=settings.log_requests)
     _add_routes(app, state)

@@ -185,6 +185,7 @@ BAD_INPUTS = [
     ("prompt-empty-ids", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt-id-out-of-vocab", "/v1/completions", {"prompt": [1, 10**7]}, 400, "prompt[1]"),
     ("prompt-negative-id", "/v1/completions", {"prompt": [-1]}, 400, "prompt[0]"),
+    ("prompt-id-past-64-bits", "/v1/completions", {"prompt": [1, 2**70]}, 400, "prompt[1]"),
     ("prompt-whitespace", "/v1/completions", {"prompt": "   "}, 400, "prompt"),
     ("prompt-wrong-type", "/v1/completions", {"prompt": {"text": "w1"}}, 400, "prompt"),
 ]  # fmt: skip

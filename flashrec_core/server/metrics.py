@@ -119,6 +119,7 @@ class ServerMetrics:
         catalogs: tuple[Callable[[], list[Any]], Callable[[], list[Any]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[Any, ...], Any] = {}
         self.requests = Counter(
             "flashrec_requests", "HTTP requests answered, by endpoint and status",
             ["endpoint", "status"], registry=self.registry,
@@ -159,13 +160,23 @@ class ServerMetrics:
             self.registry.register(_CatalogCollector(*catalogs))
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+        self._child(self.requests, endpoint, str(status)).inc()
         if status == 200:
-            self.latency.labels(endpoint).observe(seconds)
+            self._child(self.latency, endpoint).observe(seconds)
 
     def observe_stages(self, timings: RequestTimings | None) -> None:
         if timings is None:
             return
-        self.stage.labels("queue").observe(timings.queue_s)
-        self.stage.labels("prefill").observe(timings.prefill_s)
-        self.stage.labels("decode").observe(timings.decode_s)
+        self._child(self.stage, "queue").observe(timings.queue_s)
+        self._child(self.stage, "prefill").observe(timings.prefill_s)
+        self._child(self.stage, "decode").observe(timings.decode_s)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once: `labels()` takes a lock and checks its
+        arguments on every call, five times a request on the event loop thread. A child is
+        made on first use, as before, so /metrics lists the same series."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child

@@ -59,16 +59,18 @@ def choice_extensions(
     divisor = depth**dec.length_penalty
     codes, lps, nodes = result.codes.tolist(), result.logprobs.tolist(), result.nodes.tolist()
     levels = result.level_logprobs.tolist() if result.level_logprobs is not None else None
-    out = []
-    for rank in rows:
-        out.append({
+    items_of = result.items_of
+    out = [
+        {
             "rank": rank,
             "codes": codes[rank],
-            "items": list(result.items_of(nodes[rank])),
+            "items": list(items_of(nodes[rank])),
             "logprob": lps[rank],
             "score": lps[rank] / divisor,
             "level_logprobs": levels[rank] if levels is not None else [],
-        })  # fmt: skip
+        }
+        for rank in rows
+    ]
     if metadata and dec.catalog is not None:
         attrs = dec.catalog.metadata
         for ext in out:
@@ -101,11 +103,8 @@ def item_list(
 
 
 def _shaped(result: GenerationResult, shaping: Shaping) -> tuple[list[str], list[dict[str, Any]]]:
-    rows = kept_rows(result, shaping.max_per_prefix)
-    codes = result.codes[rows].tolist()
-    return result.decoder.layout.format_rows(codes), choice_extensions(
-        result, rows, shaping.metadata
-    )
+    exts = choice_extensions(result, kept_rows(result, shaping.max_per_prefix), shaping.metadata)
+    return result.decoder.layout.format_rows([ext["codes"] for ext in exts]), exts
 
 
 def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from openai import APIStatusError, OpenAI
 
+from flashrec_core.config import EngineConfig
 from flashrec_core.engine.engine import Engine
+from flashrec_core.server.app import create_app
+from flashrec_core.server.settings import ServerSettings
 from flashrec_core.testing.hf_beam import assert_same_ranking
 from flashrec_core.testing.server_process import ServerProcess, read_metrics
 
@@ -231,6 +236,15 @@ def test_auth_and_routes(server: ServerProcess, auth: dict[str, str]) -> None:
     wrong_method = httpx.get(server.url + "/v1/chat/completions", headers=auth)
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     assert httpx.get(server.url + "/health").status_code == 200, "probes need no key"
+
+
+def test_without_an_api_key_no_route_asks_for_one(checkpoint: Path, engine: Engine) -> None:
+    settings = ServerSettings(engine=EngineConfig(model_path=str(checkpoint), device="cpu"))
+    http = TestClient(create_app(engine, settings))  # no lifespan: the engine loop stays off
+    assert http.get("/v1/models").status_code == 200
+    assert http.get("/v1/catalogs").status_code == 200
+    warming = http.post("/v1/completions", json={"prompt": [1, 2]})
+    assert warming.status_code == 503 and warming.json()["error"]["code"] == "not_ready"
 
 
 def test_timeout_gives_504_and_frees_everything(

@@ -22,6 +22,9 @@ from flashrec_core.bench.roofline import floor_seconds, measure_peaks_beside, se
 from flashrec_core.bench.workload import RequestSpec, random_catalog, synthetic_requests
 from flashrec_core.engine.requests import GenerationRequest
 
+FILL_CALLS = 64
+"""At most this many cache-fill calls (`_fill_prefix_cache`), body seeds seed + 200 onwards."""
+
 
 def write_bench_checkpoint(
     shape: dict[str, Any], level_sizes: tuple[int, ...], catalog_size: int, out: Path, seed: int = 0
@@ -128,7 +131,10 @@ def bench_engine(
     ecfg = runner.loaded.engine_config
     floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
     graphs, prefill = engine.wave.graphs, engine.wave.prefill_graphs
-    trace = trace_engine_call(engine, workload(seed + 200), trace_dir) if trace_dir else None
+    # body seeds: warm-up seed + 1 and 2, the measured call seed + 100, the cache fill seed + 200
+    # onwards; the traced call's prompts come after the fill's, so they are fresh, not cached
+    traced = workload(seed + 200 + FILL_CALLS) if trace_dir else None
+    trace = trace_engine_call(engine, traced, trace_dir) if traced is not None else None
     return {
         "path": "Engine.generate",
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
@@ -181,10 +187,18 @@ def trace_engine_call(
     engine.loop.start_trace()
     try:
         with frozen_heap():
-            engine.generate(requests)
+            results = engine.generate(requests)
     finally:
         trace, table = engine.loop.stop_trace(directory)
-    return {"trace": str(trace), "table": str(table), "loop": summarize(load_events(trace))}
+    return {
+        "trace": str(trace),
+        "table": str(table),
+        "loop": summarize(load_events(trace)),
+        # the share of prompt tokens the prefix cache held: the shared prefix alone for fresh
+        # prompts, as in the measured call
+        "cached_token_share": sum(r.cached_tokens for r in results)
+        / sum(r.prompt_tokens for r in results),
+    }
 
 
 def _fill_prefix_cache(engine: Any, spec: RequestSpec, seed: int, share: float = 0.9) -> None:
@@ -192,7 +206,7 @@ def _fill_prefix_cache(engine: Any, spec: RequestSpec, seed: int, share: float =
     state has a full cache, so admissions pay for eviction (the measured call must too)."""
     runner = engine.runner
     cache = runner.prefix_cache
-    for i in range(64):
+    for i in range(FILL_CALLS):
         if cache is None or cache.num_cached >= share * (runner.allocator.num_slots - 1):
             return
         engine.generate(synthetic_requests(spec, engine.layout, seed, body_seed=seed + 200 + i))

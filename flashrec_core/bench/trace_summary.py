@@ -1,4 +1,5 @@
-"""Where the engine loop's iterations went, from a trace of `flashrec serve`'s /stop_profile.
+"""Where the engine loop's iterations went, from a trace of `flashrec serve`'s /stop_profile
+or of `flashrec bench --engine --trace-dir`.
 
 For each `flashrec.<phase>` range of the engine thread (engine/trace.py) it reports the host
 time a loop iteration spent in the phase and the GPU time of the kernels and copies launched

@@ -8,17 +8,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from openai import APIStatusError, OpenAI
 
-from flashrec_core.config import EngineConfig
 from flashrec_core.engine.engine import Engine
-from flashrec_core.server.app import create_app
-from flashrec_core.server.settings import ServerSettings
 from flashrec_core.testing.hf_beam import assert_same_ranking
 from flashrec_core.testing.server_process import ServerProcess, read_metrics
 
-from .conftest import API_KEY
+from .conftest import API_KEY, server_args
 
 ATOL_SAME_ENGINE = 1e-5
 """Server vs in-process engine, both fp32 on CPU over the same files: only the batch a request
@@ -238,13 +234,16 @@ def test_auth_and_routes(server: ServerProcess, auth: dict[str, str]) -> None:
     assert httpx.get(server.url + "/health").status_code == 200, "probes need no key"
 
 
-def test_without_an_api_key_no_route_asks_for_one(checkpoint: Path, engine: Engine) -> None:
-    settings = ServerSettings(engine=EngineConfig(model_path=str(checkpoint), device="cpu"))
-    http = TestClient(create_app(engine, settings))  # no lifespan: the engine loop stays off
-    assert http.get("/v1/models").status_code == 200
-    assert http.get("/v1/catalogs").status_code == 200
-    warming = http.post("/v1/completions", json={"prompt": [1, 2]})
-    assert warming.status_code == 503 and warming.json()["error"]["code"] == "not_ready"
+def test_without_an_api_key_no_route_asks_for_one(checkpoint: Path) -> None:
+    keyed = server_args(checkpoint)
+    at = keyed.index("--api-key")
+    with ServerProcess(keyed[:at] + keyed[at + 2 :]) as proc:  # no key: the routes are open
+        with httpx.Client(base_url=proc.url, timeout=60) as c:
+            assert c.get("/v1/models").status_code == 200
+            assert c.get("/v1/catalogs").status_code == 200
+            answer = c.post("/v1/completions", json={"prompt": [1, 2, 3], "n": 2})
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["choices"]) == 2
 
 
 def test_timeout_gives_504_and_frees_everything(

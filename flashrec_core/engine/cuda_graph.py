@@ -35,6 +35,7 @@ own rows and steps alone. `merged_shapes` lists the shapes the server's warm-up 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -102,9 +103,16 @@ def merged_rows(padded: int | None, width: int, max_rows: int) -> int | None:
     """The rows a wave of `width` padded to `padded` requests (`DecodeGraphs.padded_requests`:
     None for a wave that runs eagerly) takes in a merged step graph, or None: it steps alone.
     Only waves padded to a count of `merge_counts` merge."""
-    if padded is None or padded not in merge_counts(width, max_rows):
+    if padded is None or padded not in _merge_count_set(width, max_rows):
         return None
     return padded * width
+
+
+@functools.cache
+def _merge_count_set(width: int, max_rows: int) -> frozenset[int]:
+    """`merge_counts` as a set, built once per (width, budget): `merged_rows` asks it for every
+    wave in flight at every step boundary."""
+    return frozenset(merge_counts(width, max_rows))
 
 
 MergedShape = tuple[tuple[int, int], ...]

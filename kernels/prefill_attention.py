@@ -12,8 +12,10 @@ Shapes (T new tokens of B sequences, page size 1):
 Query i of sequence b (kv_len keys, qo_len queries) sits at position p = kv_len - qo_len + i and
 attends keys j <= p, and j > p - window with a sliding window:
     o[t, h] = softmax_j(cap(sm_scale * q[t, h] . k[j])) @ v[j]
-with cap(s) = s, or logit_softcap * tanh(s / logit_softcap); computed in fp32, rounded to bf16. This
-is FlashInfer's causal paged prefill (BatchPrefillWithPagedKVCacheWrapper) with the same inputs.
+with cap(s) = s, or logit_softcap * tanh(s / logit_softcap); computed in fp32 (the kernel's dots
+take fp16 operands over an FP8 cache, bf16 over a bf16 one, and accumulate in fp32), rounded to
+bf16. This is FlashInfer's causal paged prefill (BatchPrefillWithPagedKVCacheWrapper) with the
+same inputs.
 
 Why a kernel of our own: FlashInfer 0.6.13 has no sm90 prefill for bf16 queries over an FP8 cache,
 so prompts ran through its FA2 kernel at a small fraction of the tensor-core peak, plus a split-KV

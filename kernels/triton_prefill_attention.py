@@ -49,6 +49,24 @@ NUM_STAGES = 2
 # spills some registers for sm_90 (400-1,200 bytes a thread by ptxas); the measured time is
 # what decided. head_dim 256 (unmeasured) takes 64-key chunks at 8 warps: 4 warps spilled 8 KB.
 _M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
+_F16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _operand(x, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tl.dot operand: fp16 with F16 (an FP8 cache), else bf16 (`_dot_operand`). Under the
+    interpreter, fp32 holding the values on that grid (its dots are fp32, as the GPU's
+    accumulation). sm_90 converts e4m3 to fp16 in one instruction per pair and to bf16 in three
+    (through fp16), for every key and value element of every chunk; fp16 holds every e4m3 value
+    and every bf16 query element in [2^-14, 65504] exactly, and rounds P at 2^-11 instead of
+    bf16's 2^-8."""
+    if F16:
+        if INTERPRET:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x.to(tl.float16)
+    else:
+        return _dot_operand(x, INTERPRET)
 
 
 @triton.jit
@@ -56,7 +74,7 @@ def _chunk(
     q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s, vc_stride_s,
     m_i, l_i, acc, qk_scale, cap_log2, window,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     """Fold keys [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). MASKED: the chunk
     crosses the causal diagonal, the sliding window or `hi` (the keys' end)."""
@@ -72,7 +90,7 @@ def _chunk(
     else:
         slots = tl.load(idx_ptr + offs_n).to(tl.int64)
         k = tl.load(k_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
-    s = _scores(tl.dot(q, tl.trans(_dot_operand(k, INTERPRET))), qk_scale, cap_log2, SOFTCAP)
+    s = _scores(tl.dot(q, tl.trans(_operand(k, F16, INTERPRET))), qk_scale, cap_log2, SOFTCAP)
     if MASKED:
         seen = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
         if WINDOW:
@@ -86,7 +104,7 @@ def _chunk(
         v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, INTERPRET), _dot_operand(v, INTERPRET))
+    acc = acc * alpha[:, None] + tl.dot(_operand(p, F16, INTERPRET), _operand(v, F16, INTERPRET))
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -98,7 +116,7 @@ def _prefill_attention_kernel(
     o_stride_t, o_stride_h, part_stride_split, qk_scale, cap_log2, window,
     GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,7 +141,9 @@ def _prefill_attention_kernel(
         q_ptr + rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=mask_m[:, None], other=0.0,
     )  # fmt: skip
-    q = _dot_operand(q, INTERPRET)
+    if F16:  # a query element past fp16's range would be infinite: clamp (never met in practice)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
+    q = _operand(q, F16, INTERPRET)
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -151,14 +171,14 @@ def _prefill_attention_kernel(
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < hi:
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -166,13 +186,13 @@ def _prefill_attention_kernel(
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16,
             )  # fmt: skip
         for n0 in range(full, hi, BLOCK_N):
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16,
             )  # fmt: skip
 
     if SPLITS == 1:
@@ -208,10 +228,12 @@ def launch_prefill_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     num_splits: int | None = None,
+    f16_dots: bool | None = None,
 ) -> None:
     """Launch the (tiles, Hkv, splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper. block_n defaults to `default_block_n(head_dim)`,
-    num_splits to `auto_num_splits` of the grid (the beam kernel's rule)."""
+    num_splits to `auto_num_splits` of the grid (the beam kernel's rule), f16_dots to whether
+    the cache is FP8 (`_operand`; a bf16 cache keeps bf16 dots, whose range it may need)."""
     num_tiles, num_tokens = tiles.shape[0], q.shape[0]
     if num_tiles == 0 or num_tokens == 0:
         return
@@ -231,7 +253,9 @@ def launch_prefill_attention(
         GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=block_m,
         BLOCK_N=default_block_n(head_dim) if block_n is None else block_n, SPLITS=num_splits,
         INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
-        WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
+        WINDOW=window is not None,
+        F16=k_cache.dtype == torch.float8_e4m3fn if f16_dots is None else f16_dots,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)
         merge_splits(qo_indptr, out, (part_acc, part_m, part_l), num_kv_heads, num_tokens,

@@ -75,10 +75,11 @@ def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int):
 
 
 def _triton_us(
-    step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int], splits: int | None
-):
+    step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int], splits: int | None,
+    f16_dots: bool | None = None,
+):  # fmt: skip
     """(us, output) of the Triton kernel in one launch configuration (`splits` None: the
-    kernel's own choice of split-KV)."""
+    kernel's own choice of split-KV; `f16_dots` None: the kernel's own choice of dot type)."""
     bm, bn, warps, stages = config
     tiles = prefill_tiles(step.qo_indptr, step.kv_indptr, HQ // HKV, bm).to(DEV)
     out = torch.empty_like(q)
@@ -86,7 +87,7 @@ def _triton_us(
         launch_prefill_attention, q, pool.k_cache[0], pool.v_cache[0],
         step.qo_indptr.to(DEV, torch.int32), step.kv_indptr.to(DEV, torch.int32),
         step.kv_indices.to(DEV, torch.int32), tiles, D**-0.5, out, None, None, bm, bn,
-        num_warps=warps, num_stages=stages, num_splits=splits,
+        num_warps=warps, num_stages=stages, num_splits=splits, f16_dots=f16_dots,
     )  # fmt: skip
     run()
     return triton.testing.do_bench(run, rep=100) * 1e3, out.float()
@@ -113,6 +114,9 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     best = None
     _label(name, "Triton default, one split")
     row["triton_default_nosplit_us"], _ = _triton_us(step, pool, q, CONFIGS[0], 1)
+    _label(name, "Triton default, bf16 dots (before session 27)")
+    us, got = _triton_us(step, pool, q, CONFIGS[0], None, f16_dots=False)
+    row["triton_bf16_dots_us"], row["triton_bf16_dots_maxdiff"] = us, float((got - ref).abs().max())
     for config in CONFIGS:
         _label(name, "Triton", config)
         us, got = _triton_us(step, pool, q, config, None)
@@ -134,7 +138,8 @@ def main() -> None:
         rows.append(row)
         print(
             f"{row['case']:28s} FlashInfer {row['flashinfer_split_us']:7.1f} us | Triton default "
-            f"{row['triton_m128_n128_w8_s2_us']:7.1f} us (unsplit "
+            f"{row['triton_m128_n128_w8_s2_us']:7.1f} us (bf16 dots "
+            f"{row['triton_bf16_dots_us']:.1f}, max |diff| {row['triton_bf16_dots_maxdiff']:.4f}; unsplit "
             f"{row['triton_default_nosplit_us']:.1f}), best {row['best']} "
             f"{row['best_us']:7.1f} us ({row['best_tflops']:.0f} TFLOP/s), max |diff| "
             f"{row['triton_m128_n128_w8_s2_maxdiff']:.4f}",

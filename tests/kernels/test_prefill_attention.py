@@ -2,8 +2,9 @@
 
 Tolerances, as for beam_cascade_attention (tests/kernels/test_beam_attention.py): the reference is
 fp32 math rounded to bf16, so against fp64 it is off by at most half a bf16 ulp (2^-8 relative)
-plus fp32 summation error. The kernel feeds P to the PV dot as bf16 (each p_j moves by <= 2^-9
-relative while the normalizer keeps the fp32 sum: the output moves by <= 2^-9 max|v|), and both
+plus fp32 summation error. The kernel feeds P to the PV dot as bf16 over a bf16 cache (each p_j
+moves by <= 2^-9 relative while the normalizer keeps the fp32 sum: the output moves by <= 2^-9
+max|v|) and as fp16 over an FP8 cache (<= 2^-12; the queries and keys convert exactly), and both
 sides round to bf16 separately (one bf16 ulp, 2^-7 relative). Kernel vs ref: rtol 2^-7, atol
 2^-9 max|v|.
 """

@@ -142,6 +142,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             logger.info("shutdown: the open torch profile was written to %s", files[0])
         logger.info("draining: up to %.0f s for requests in flight", settings.shutdown_grace_s)
         await run_in_threadpool(engine.loop.stop, settings.shutdown_grace_s)
+        state.metrics.gc_pauses.close()
 
     app = FastAPI(
         title="FlashRec", version=_version(), lifespan=lifespan,

@@ -48,10 +48,31 @@ class JSON(Response):
         return dumps(content)
 
 
+def id_lists_as_tuples(data: Any) -> Any:
+    """`data` with each top-level list of ints (a token-id prompt), or list of such lists, made
+    a tuple. FastAPI keeps the parsed body alive until the response is sent, and the cyclic
+    collector walks every element of every list alive at each full collection, holding the
+    GIL: with 800 prompts of 1,024 ids in flight that was 12 ms a collection on the CPU
+    machine, 0.01 ms with tuples, which a collection untracks the first time it sees them.
+    A list whose first element is not an int (or a list starting with one) stays as parsed,
+    so validation sees text and messages exactly as sent."""
+    if type(data) is not dict:
+        return data
+    for key, value in data.items():
+        if type(value) is not list or not value:
+            continue
+        head = value[0]
+        if type(head) is int:
+            data[key] = tuple(value)
+        elif type(head) is list and head and type(head[0]) is int:
+            data[key] = tuple(tuple(v) if type(v) is list else v for v in value)
+    return data
+
+
 class _Request(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = loads(await self.body())
+            self._json = id_lists_as_tuples(loads(await self.body()))
         return self._json
 
 

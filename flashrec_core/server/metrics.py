@@ -8,11 +8,15 @@ they are never stale.
 
 from __future__ import annotations
 
+import bisect
+import gc
+import itertools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from flashrec_core.engine.handles import LoopStats
@@ -112,6 +116,50 @@ class _CatalogCollector(Collector):
         )
 
 
+class _GCPauses(Collector):
+    """Pauses of CPython's cyclic garbage collector, by generation, as a histogram.
+
+    A collection holds the GIL, so it stalls the engine thread's launches and the event loop
+    alike; a full one walks every tracked object not frozen (engine/heap.py). Recorded through
+    `gc.callbacks` into plain lists and read at scrape time: a callback runs inside whatever
+    allocation triggered the collection, possibly while that thread holds a metric's lock, so it
+    never touches a prometheus-client metric itself."""
+
+    BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+    def __init__(self) -> None:
+        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]  # per generation
+        self._sums = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._record)
+
+    def _record(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._start
+        gen = info["generation"]
+        self._counts[gen][bisect.bisect_left(self.BUCKETS, seconds)] += 1
+        self._sums[gen] += seconds
+
+    def close(self) -> None:
+        """Stop recording (a process that outlives its server, such as a test session)."""
+        if self._record in gc.callbacks:
+            gc.callbacks.remove(self._record)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "flashrec_gc_pause_seconds",
+            "pauses of the cyclic garbage collector (GIL held), by generation (2: full)",
+            labels=["generation"],
+        )
+        for gen in range(3):
+            counts = list(itertools.accumulate(self._counts[gen]))
+            bounds = [*map(str, self.BUCKETS), "+Inf"]
+            family.add_metric([str(gen)], list(zip(bounds, counts)), self._sums[gen])
+        yield family
+
+
 class ServerMetrics:
     def __init__(
         self,
@@ -158,6 +206,8 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
         if catalogs is not None:
             self.registry.register(_CatalogCollector(*catalogs))
+        self.gc_pauses = _GCPauses()
+        self.registry.register(self.gc_pauses)
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
         self._child(self.requests, endpoint, str(status)).inc()

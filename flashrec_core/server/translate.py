@@ -7,6 +7,7 @@ line of a batch file is checked exactly like an HTTP request.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +55,11 @@ def chat_request(
 def completion_requests(
     engine: Engine, body: CompletionRequest, defaults: Defaults
 ) -> list[GenerationRequest]:
-    prompts = body.prompt
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]  # one prompt
+    prompts: Sequence[str | Sequence[int]]
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+        prompts = [body.prompt]  # one prompt  # type: ignore[list-item]
+    else:
+        prompts = body.prompt  # type: ignore[assignment]
     if not prompts:
         raise bad_request("prompt is empty", "prompt")
     out = []
@@ -66,7 +69,7 @@ def completion_requests(
     return out
 
 
-def _completion_ids(engine: Engine, prompt: str | list[int], param: str) -> list[int]:
+def _completion_ids(engine: Engine, prompt: str | Sequence[int], param: str) -> list[int]:
     if isinstance(prompt, str):
         try:
             return engine.encode_prompt(prompt=prompt, raw=True)
@@ -81,7 +84,7 @@ def _completion_ids(engine: Engine, prompt: str | list[int], param: str) -> list
     return engine.with_sid_begin(prompt)
 
 
-def _below(ids: list[int], bound: int) -> bool:
+def _below(ids: Sequence[int], bound: int) -> bool:
     """Whether every id is in 0..bound-1. Packing into unsigned 64-bit words checks >= 0 in
     one C pass, and numpy's max the bound: 7 us for 1,024 ids against 23 us for Python's
     min() and max(), time the event loop thread holds the GIL."""

@@ -117,6 +117,10 @@ def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]
     assert 0 < metrics["flashrec_kv_slots_peak_used"] <= metrics["flashrec_kv_slots_total"]
     assert metrics["flashrec_kv_slots_used"] <= metrics["flashrec_kv_slots_peak_used"]
     assert any(k.startswith("flashrec_request_stage_seconds_bucket") for k in metrics)
+    # serving allocates: young collections ran since the app was made, each one recorded
+    young = metrics["flashrec_gc_pause_seconds_count{generation=0}"]
+    assert young > 0 and metrics["flashrec_gc_pause_seconds_bucket{generation=0,le=+Inf}"] == young
+    assert 0 < metrics["flashrec_gc_pause_seconds_sum{generation=0}"] < young  # under 1 s each
     # what `flashrec bench --server` needs for the roofline floor: the served model's budgets
     roofline = card.model_extra["flashrec"]["roofline"]
     assert roofline["kv_slots"] == metrics["flashrec_kv_slots_total"]

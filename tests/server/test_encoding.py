@@ -3,13 +3,14 @@ values where it accepts one and the same error where it refuses one."""
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from flashrec_core.server.encoding import loads
+from flashrec_core.server.encoding import id_lists_as_tuples, loads
 
 BODIES = [
     b'{"prompt": [1, 2, 3], "n": 50, "max_tokens": 3}',
@@ -43,3 +44,19 @@ def _outcome(parse: Callable[[bytes], Any], body: bytes) -> tuple[Any, ...]:
 @pytest.mark.parametrize("body", BODIES, ids=range(len(BODIES)))
 def test_loads_reads_a_body_as_json_loads_does(body: bytes) -> None:
     assert _outcome(loads, body) == _outcome(json.loads, body)
+
+
+def test_token_id_prompts_become_tuples_the_collector_untracks() -> None:
+    body = loads(
+        b'{"prompt": [5, 6, 7], "n": 2, "stop": ["a"], "batch": [[1, 2], [3]], "empty": [],'
+        b' "messages": [{"role": "user", "content": "hi"}], "mixed": [1, "a"]}'
+    )
+    data = id_lists_as_tuples(body)
+    assert data["prompt"] == (5, 6, 7) and data["batch"] == ((1, 2), (3,))
+    # text, messages and empty lists are left as parsed, for validation to read as sent
+    assert data["stop"] == ["a"] and data["empty"] == [] and isinstance(data["messages"], list)
+    assert data["mixed"] == (1, "a")  # judged by its first element; validation refuses it
+    gc.collect()
+    gc.collect()  # a tuple of tuples is untracked one collection after its elements
+    assert not gc.is_tracked(data["prompt"]) and not gc.is_tracked(data["batch"])
+    assert id_lists_as_tuples([1, 2]) == [1, 2]  # only an object's fields

@@ -695,7 +695,10 @@ def _phase_line(result: dict[str, Any]) -> str:
         f"server CPU outside the engine thread "
         f"{engine.get('other_cpu_ms_per_request', 0):.2f} ms a request, admissions put back "
         f"{engine.get('admission_retries_kv_slots', 0)} (KV) / "
-        f"{engine.get('admission_retries_device_memory', 0)} (device memory)"
+        f"{engine.get('admission_retries_device_memory', 0)} (device memory), garbage "
+        f"collector {engine.get('gc_pause_ms_per_s', 0):.1f} ms a second "
+        f"({engine.get('gc_full_collections', 0)} full, {engine.get('gc_full_pause_mean_ms', 0):.1f}"
+        f" ms each)"
     )
 
 

@@ -236,6 +236,8 @@ _ENGINE_TOTALS = (
     "flashrec_engine_admission_retries_total{reason=kv_slots}",
     "flashrec_engine_admission_retries_total{reason=device_memory}",
     "flashrec_engine_beam_steps_total", "flashrec_engine_beam_forwards_total",
+    *(f"flashrec_gc_pause_seconds_{kind}{{generation={g}}}" for kind in ("sum", "count")
+      for g in range(3)),
 )  # fmt: skip
 
 
@@ -279,6 +281,12 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "event_loop_lag_over_10ms": 1 - d["flashrec_event_loop_lag_seconds_bucket{le=0.01}"] / probes,
         **{f"admission_retries_{why}": int(d[f"admission_retries_total{{reason={why}}}"])
            for why in ("kv_slots", "device_memory")},
+        # the cyclic collector's pauses (GIL held) a second of the run, and the full ones' count
+        "gc_pause_ms_per_s": 1e3 * sum(d[f"flashrec_gc_pause_seconds_sum{{generation={g}}}"]
+                                       for g in range(3)) / max(seconds, 1e-9),
+        "gc_full_collections": int(d["flashrec_gc_pause_seconds_count{generation=2}"]),
+        "gc_full_pause_mean_ms": 1e3 * d["flashrec_gc_pause_seconds_sum{generation=2}"]
+        / max(d["flashrec_gc_pause_seconds_count{generation=2}"], 1),
     }  # fmt: skip
 
 

@@ -15,9 +15,11 @@ folding in the rows' own slots, and `_merge_splits_kernel` combines them (the sa
 the online softmax). The split count depends only on the launch shape (`auto_num_splits`), so a
 CUDA graph captures and replays the same one whatever the prompt lengths.
 
-Under the interpreter, bf16 tl.dot and bf16 arithmetic are broken (triton-lang/triton#11584), so
-the dot operands are fp32 holding bf16-rounded values there: the same operand values as the bf16
-dot on a GPU (K/V from FP8 convert exactly; P is rounded to bf16 by `round_to_bf16`).
+Over an FP8 cache the prompt chunks' dots take fp16 operands, over a bf16 cache bf16 ones
+(`_operand`: converting e4m3 to fp16 is a third of the instructions). Under the interpreter,
+bf16 tl.dot and bf16 arithmetic are broken (triton-lang/triton#11584), so the dot operands are
+fp32 holding the values rounded to the GPU's operand type there: the same operand values as the
+GPU's dot (K/V from FP8 convert exactly; P is rounded to fp16, or to bf16 by `round_to_bf16`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,35 @@ def _dot_operand(x, INTERPRET: tl.constexpr):
         return x.to(tl.bfloat16)
 
 
+_F16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _operand(x, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A tl.dot operand: fp16 with F16 (an FP8 cache), else bf16 (`_dot_operand`). Under the
+    interpreter, fp32 holding the values on that grid (its dots are fp32, as the GPU's
+    accumulation). sm_90 converts e4m3 to fp16 in one instruction per pair and to bf16 in three
+    (through fp16), for every key and value element of every chunk; fp16 holds every e4m3 value
+    and every bf16 query element in [2^-14, 65504] exactly, and rounds P at 2^-11 instead of
+    bf16's 2^-8."""
+    if F16:
+        if INTERPRET:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x.to(tl.float16)
+    else:
+        return _dot_operand(x, INTERPRET)
+
+
+@triton.jit
+def _query_operand(q, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """A bf16 query tile as a dot operand; for fp16 clamped to its range first (an element past
+    65504 would be infinite; no model's queries come near it)."""
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
+    return _operand(q, F16, INTERPRET)
+
+
 @triton.jit
 def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
     """Scores in log2 units. With SOFTCAP, qk_scale is sm_scale / cap and the score is
@@ -84,6 +115,7 @@ def _prefix_chunk(
     q, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head, kc_stride_s,
     vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
+    F16: tl.constexpr,
 ):  # fmt: skip
     """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -91,15 +123,15 @@ def _prefix_chunk(
     offs_d = tl.arange(0, D)
     slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
     k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
-    k = _dot_operand(tl.load(k_ptrs, mask=mask_n[:, None], other=0.0), INTERPRET)  # [BLOCK_N, D]
+    k = _operand(tl.load(k_ptrs, mask=mask_n[:, None], other=0.0), F16, INTERPRET)  # [BLOCK_N, D]
     s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
     s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     v_ptrs = v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
-    v = _dot_operand(tl.load(v_ptrs, mask=mask_n[:, None], other=0.0), INTERPRET)
-    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, INTERPRET), v)
+    v = _operand(tl.load(v_ptrs, mask=mask_n[:, None], other=0.0), F16, INTERPRET)
+    acc = acc * alpha[:, None] + tl.dot(_operand(p, F16, INTERPRET), v)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -136,7 +168,7 @@ def _beam_cascade_attention_kernel(
     sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, part_stride_split, qk_scale, cap_log2,
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -153,7 +185,7 @@ def _beam_cascade_attention_kernel(
     offs_d = tl.arange(0, D)
     q_ptrs = q_ptr + rows[:, None] * q_stride_r + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D] bf16
-    q_dot = _dot_operand(q, INTERPRET)
+    q_dot = _query_operand(q, F16, INTERPRET)
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -174,7 +206,7 @@ def _beam_cascade_attention_kernel(
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
-                SOFTCAP,
+                SOFTCAP, F16,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -182,7 +214,7 @@ def _beam_cascade_attention_kernel(
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
-                SOFTCAP,
+                SOFTCAP, F16,
             )  # fmt: skip
 
     if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
@@ -325,13 +357,15 @@ def launch_beam_cascade_attention(
     block_n: int = BLOCK_N,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
+    f16_dots: bool | None = None,
 ) -> None:
     """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper.
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
     chunks at interpreter-friendly sizes); num_splits overrides `auto_num_splits` (a power of
-    two, at most MAX_SPLITS).
+    two, at most MAX_SPLITS); f16_dots (default: whether the cache is FP8) the dots' operand
+    type (`_operand`).
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -355,6 +389,7 @@ def launch_beam_cascade_attention(
         GROUP=group, S=suffix.shape[1], D=head_dim, HQ=num_q_heads,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
+        F16=k_cache.dtype == torch.float8_e4m3fn if f16_dots is None else f16_dots,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if num_splits > 1:

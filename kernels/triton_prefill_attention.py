@@ -29,7 +29,8 @@ import triton.language as tl
 
 from .device import triton_interpreting
 from .triton_beam_attention import (
-    _dot_operand,
+    _operand,
+    _query_operand,
     _scores,
     auto_num_splits,
     merge_splits,
@@ -49,24 +50,6 @@ NUM_STAGES = 2
 # spills some registers for sm_90 (400-1,200 bytes a thread by ptxas); the measured time is
 # what decided. head_dim 256 (unmeasured) takes 64-key chunks at 8 warps: 4 warps spilled 8 KB.
 _M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
-_F16_MAX = tl.constexpr(65504.0)
-
-
-@triton.jit
-def _operand(x, F16: tl.constexpr, INTERPRET: tl.constexpr):
-    """A tl.dot operand: fp16 with F16 (an FP8 cache), else bf16 (`_dot_operand`). Under the
-    interpreter, fp32 holding the values on that grid (its dots are fp32, as the GPU's
-    accumulation). sm_90 converts e4m3 to fp16 in one instruction per pair and to bf16 in three
-    (through fp16), for every key and value element of every chunk; fp16 holds every e4m3 value
-    and every bf16 query element in [2^-14, 65504] exactly, and rounds P at 2^-11 instead of
-    bf16's 2^-8."""
-    if F16:
-        if INTERPRET:
-            return x.to(tl.float16).to(tl.float32)
-        else:
-            return x.to(tl.float16)
-    else:
-        return _dot_operand(x, INTERPRET)
 
 
 @triton.jit
@@ -141,9 +124,7 @@ def _prefill_attention_kernel(
         q_ptr + rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=mask_m[:, None], other=0.0,
     )  # fmt: skip
-    if F16:  # a query element past fp16's range would be infinite: clamp (never met in practice)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
-    q = _operand(q, F16, INTERPRET)
+    q = _query_operand(q, F16, INTERPRET)
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

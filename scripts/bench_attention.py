@@ -1,6 +1,7 @@
 """Beam-step attention alone, one layer: FlashInfer flat decode vs FlashInfer cascade vs the
-Triton beam kernel, on the engine's own backends (plan once, time `forward` with
-`triton.testing.do_bench`, which uses CUDA events).
+Triton beam kernel (with its fp16 dots over an FP8 cache, and beside it the bf16 dots it had
+before), on the engine's own backends (plan once, time `forward` with `triton.testing.do_bench`,
+which uses CUDA events).
 
 Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
 step (requests = 8192 // n), a level-2 step (2 own slots per beam). Usage (on the GPU):
@@ -9,10 +10,14 @@ step (requests = 8192 // n), a level-2 step (2 own slots per beam). Usage (on th
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import flashrec_kernels.triton_beam_attention as tba
 import torch
 import triton.testing
 
@@ -42,6 +47,18 @@ def _step(n: int, prompt: int):
     ), first_own + rows * OWN  # fmt: skip
 
 
+@contextmanager
+def _bf16_dots() -> Iterator[None]:
+    """The Triton beam kernel with bf16 dot operands over an FP8 cache (before session 27), for
+    the side-by-side column: its launcher with `f16_dots=False`."""
+    launch = tba.launch_beam_cascade_attention
+    tba.launch_beam_cascade_attention = functools.partial(launch, f16_dots=False)
+    try:
+        yield
+    finally:
+        tba.launch_beam_cascade_attention = launch
+
+
 def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
     meta = backend.plan(step)
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
@@ -55,7 +72,7 @@ def main() -> None:
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
     results = []
     print(f"{'n':>5} {'prompt':>6} {'flat ms':>8} {'cascade ms':>10} {'triton ms':>9} "
-          f"{'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
+          f"{'bf16 dots':>9} {'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
     for n in (64, 256, 512):
         for prompt in (512, 1024, 2048):
             step, slots = _step(n, prompt)
@@ -70,10 +87,13 @@ def main() -> None:
             cascade = _time(cascade_backend, step, pool, q)
             beam = TritonBeamAttention(cascade_backend, DEV, ROWS, slots + 1)
             tri = _time(beam, step, pool, q)
+            with _bf16_dots():
+                tri_bf16 = _time(beam, step, pool, q)
             row = {"n": n, "prompt": prompt, "requests": ROWS // n, "kv": str(kv_dtype),
-                   "flat_ms": flat, "cascade_ms": cascade, "triton_ms": tri}  # fmt: skip
+                   "flat_ms": flat, "cascade_ms": cascade, "triton_ms": tri,
+                   "triton_bf16_dots_ms": tri_bf16}  # fmt: skip
             results.append(row)
-            print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} "
+            print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} {tri_bf16:>9.3f} "
                   f"{flat / cascade:>12.2f} {cascade / tri:>14.2f}", flush=True)  # fmt: skip
             del pool
             torch.cuda.empty_cache()

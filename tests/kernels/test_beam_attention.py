@@ -2,9 +2,9 @@
 
 Tolerances. The reference computes in fp32 and rounds to bf16, so against exact fp64 attention it
 is off by at most half a bf16 ulp (<= 2^-8 relative) plus fp32 summation error (~1e-6 on outputs
-of magnitude ~1-3). The kernel feeds P (probabilities) to the PV dot as bf16, as flash attention
-does: each p_j moves by <= 2^-9 relative while the normalizer keeps the fp32 sum, so the fp32
-output moves by <= 2^-9 * max|v|. Both sides then round to bf16 separately, which can split a
+of magnitude ~1-3). The kernel feeds P (probabilities) to the PV dot as bf16 over a bf16 cache,
+as flash attention does: each p_j moves by <= 2^-9 relative while the normalizer keeps the fp32
+sum, so the fp32 output moves by <= 2^-9 * max|v|; over an FP8 cache as fp16 (<= 2^-12). Both sides then round to bf16 separately, which can split a
 tie-near value by one bf16 ulp (<= 2^-7 relative). Hence kernel vs ref: rtol 2^-7, atol
 2^-9 * max|v|.
 """

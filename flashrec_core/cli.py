@@ -295,6 +295,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "since the last admission, so waves grow under load (default 0: every step)",
     )  # fmt: skip
     p.add_argument(
+        "--gc-young-threshold", type=int, metavar="N",
+        help="allocations between young garbage collections (default 10000; CPython's 700)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile-engine", metavar="FILE",
         help="cProfile the engine thread; the stats are written to FILE at shutdown",
     )  # fmt: skip
@@ -340,7 +344,7 @@ _SERVER_FLAGS = {
     "max_queue": "max_queue", "default_n": "default_n", "request_timeout": "request_timeout_s",
     "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
     "profile_engine": "profile_engine", "admission_delay_factor": "admission_delay_factor",
-    "torch_profile_dir": "torch_profile_dir",
+    "torch_profile_dir": "torch_profile_dir", "gc_young_threshold": "gc_young_threshold",
 }  # fmt: skip
 
 

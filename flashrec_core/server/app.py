@@ -41,7 +41,7 @@ from flashrec_core.engine.handles import (
     RequestRejectedError,
     RequestTimeoutError,
 )
-from flashrec_core.engine.heap import freeze_long_lived
+from flashrec_core.engine.heap import freeze_long_lived, set_young_threshold
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult
 from flashrec_core.engine.trace import TraceStateError
 from flashrec_core.server import responses
@@ -164,6 +164,7 @@ def _warm_up(state: ServerState) -> None:
         state.warmup_error = f"warm-up failed: {exc}"
         return
     freeze_long_lived()  # the model, tokenizer and catalogs stay: keep the collector off them
+    set_young_threshold(state.settings.gc_young_threshold)
     state.ready.set()
     logger.info("ready: serving %s%s", state.settings.model_name, _device_memory(state.engine))
 

@@ -147,7 +147,12 @@ class _GCPauses(Collector):
         if self._record in gc.callbacks:
             gc.callbacks.remove(self._record)
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
+    def collect(self) -> Iterator[HistogramMetricFamily | GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "flashrec_gc_young_threshold",
+            "net allocations between young collections (--gc-young-threshold once ready)",
+            value=gc.get_threshold()[0],
+        )  # fmt: skip
         family = HistogramMetricFamily(
             "flashrec_gc_pause_seconds",
             "pauses of the cyclic garbage collector (GIL held), by generation (2: full)",

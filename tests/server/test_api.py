@@ -121,6 +121,7 @@ def test_models_health_ready_metrics(server: ServerProcess, auth: dict[str, str]
     young = metrics["flashrec_gc_pause_seconds_count{generation=0}"]
     assert young > 0 and metrics["flashrec_gc_pause_seconds_bucket{generation=0,le=+Inf}"] == young
     assert 0 < metrics["flashrec_gc_pause_seconds_sum{generation=0}"] < young  # under 1 s each
+    assert metrics["flashrec_gc_young_threshold"] == 10_000  # the setting's default, once ready
     # what `flashrec bench --server` needs for the roofline floor: the served model's budgets
     roofline = card.model_extra["flashrec"]["roofline"]
     assert roofline["kv_slots"] == metrics["flashrec_kv_slots_total"]

@@ -30,6 +30,8 @@ def test_flags_override_env_override_config_file(
     assert s.max_queue == 7 and s.warmup_n == (4, 8)
     monkeypatch.setenv("FLASHREC_ADMISSION_DELAY_FACTOR", "1.5")
     assert load_settings({}, str(config)).admission_delay_factor == 1.5
+    monkeypatch.setenv("FLASHREC_GC_YOUNG_THRESHOLD", "50000")
+    assert load_settings({}, str(config)).gc_young_threshold == 50_000
     s = load_settings({"port": 9003, "engine": {"model_path": "/from/flag"}}, str(config))
     assert (s.port, s.engine.model_path) == (9003, "/from/flag"), "flags beat everything"
 
@@ -64,6 +66,7 @@ def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
             ("--model-path", "/tmp", "--admission-delay-factor", "-1"),
             "setting admission_delay_factor:",
         ),  # fmt: skip
+        (("--model-path", "/tmp", "--gc-young-threshold", "5"), "setting gc_young_threshold:"),
     ],
 )
 def test_bad_settings_fail_with_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:

@@ -35,17 +35,20 @@ from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
+    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS", "SPLIT_BLOCK_N",
     "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
     "split_partials",
 ]  # fmt: skip
 
-# Tuning knobs, chosen from common flash-attention configs for H100/H200 (not yet measured here):
-# BLOCK_M packed (row, q head) pairs per program: 128 for head_dim <= 128 (a [128, D] fp32
-# accumulator fits 8 warps' registers), 64 above. A 50-beam request with GQA group 2 (100
-# packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk.
+# Tuning knobs, by head_dim: BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
+# <= 128 (a [128, D] fp32 accumulator fits 8 warps' registers), 64 above. A 50-beam request with
+# GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk: 128 up to
+# head_dim 128, as the prefill kernel measured fastest for the same [128, 128] tiles
+# (docs/benchmarks.md, sessions 20 and 27; 64 before session 27), 64 above.
 BLOCK_M = {64: 128, 128: 128, 256: 64}
-BLOCK_N = 64
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+SPLIT_BLOCK_N = 64
+"""BLOCK_N of a split launch (a grid that leaves SMs idle: one or two requests)."""
 NUM_WARPS = 8
 NUM_STAGES = 2
 _LOG2E = math.log2(math.e)
@@ -354,29 +357,36 @@ def launch_beam_cascade_attention(
     max_rows_per_request: int,
     out: torch.Tensor,
     block_m: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
     f16_dots: bool | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
 ) -> None:
     """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper.
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
-    chunks at interpreter-friendly sizes); num_splits overrides `auto_num_splits` (a power of
+    chunks at interpreter-friendly sizes; benchmarks, with num_warps / num_stages, other
+    launches); num_splits overrides `auto_num_splits` (a power of
     two, at most MAX_SPLITS); f16_dots (default: whether the cache is FP8) the dots' operand
     type (`_operand`).
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    block_m = BLOCK_M[min(max(head_dim, 64), 256)] if block_m is None else block_m
+    size = min(max(head_dim, 64), 256)
+    block_m = BLOCK_M[size] if block_m is None else block_m
     num_tiles = triton.cdiv(max_rows_per_request * group, block_m)
     if num_rows == 0:
         return
     num_requests = row_indptr.numel() - 1
     if num_splits is None:
         num_splits = auto_num_splits(num_requests * num_kv_heads * num_tiles, q.device)
+    if block_n is None:  # a split grid is a small one: its programs walk short ranges, keep
+        # them many (16 splits of 64 slots cover a 1,024-token prompt)
+        block_n = BLOCK_N[size] if num_splits == 1 else SPLIT_BLOCK_N
     part_acc, part_m, part_l = split_partials(num_splits, q, out)
     qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     grid = (num_requests, num_kv_heads, num_tiles * num_splits)
@@ -390,7 +400,7 @@ def launch_beam_cascade_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
         F16=k_cache.dtype == torch.float8_e4m3fn if f16_dots is None else f16_dots,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(row_indptr, out, (part_acc, part_m, part_l), num_kv_heads,

@@ -1,7 +1,7 @@
 """Beam-step attention alone, one layer: FlashInfer flat decode vs FlashInfer cascade vs the
-Triton beam kernel (with its fp16 dots over an FP8 cache, and beside it the bf16 dots it had
-before), on the engine's own backends (plan once, time `forward` with `triton.testing.do_bench`,
-which uses CUDA events).
+Triton beam kernel (its default launch, and beside it the `VARIANTS`: the bf16 dots and 64-slot
+chunks it had before session 27, other pipeline depths), on the engine's own backends (plan
+once, time `forward` with `triton.testing.do_bench`, which uses CUDA events).
 
 Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
 step (requests = 8192 // n), a level-2 step (2 own slots per beam). Usage (on the GPU):
@@ -47,12 +47,20 @@ def _step(n: int, prompt: int):
     ), first_own + rows * OWN  # fmt: skip
 
 
+# Other launches of the Triton beam kernel timed beside its default: name -> launcher arguments
+VARIANTS = {
+    "bf16 dots": {"f16_dots": False},  # the operands before session 27
+    "n64 s2": {"block_n": 64},  # the chunk before session 27
+    "n64 s3": {"block_n": 64, "num_stages": 3},
+    "n128 s3": {"block_n": 128, "num_stages": 3},
+}
+
+
 @contextmanager
-def _bf16_dots() -> Iterator[None]:
-    """The Triton beam kernel with bf16 dot operands over an FP8 cache (before session 27), for
-    the side-by-side column: its launcher with `f16_dots=False`."""
+def _launch_with(**arguments: object) -> Iterator[None]:
+    """The Triton beam kernel's launcher with `arguments` fixed, for the side-by-side columns."""
     launch = tba.launch_beam_cascade_attention
-    tba.launch_beam_cascade_attention = functools.partial(launch, f16_dots=False)
+    tba.launch_beam_cascade_attention = functools.partial(launch, **arguments)
     try:
         yield
     finally:
@@ -72,7 +80,8 @@ def main() -> None:
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
     results = []
     print(f"{'n':>5} {'prompt':>6} {'flat ms':>8} {'cascade ms':>10} {'triton ms':>9} "
-          f"{'bf16 dots':>9} {'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
+          + "".join(f"{name:>10}" for name in VARIANTS)
+          + f" {'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
     for n in (64, 256, 512):
         for prompt in (512, 1024, 2048):
             step, slots = _step(n, prompt)
@@ -87,14 +96,17 @@ def main() -> None:
             cascade = _time(cascade_backend, step, pool, q)
             beam = TritonBeamAttention(cascade_backend, DEV, ROWS, slots + 1)
             tri = _time(beam, step, pool, q)
-            with _bf16_dots():
-                tri_bf16 = _time(beam, step, pool, q)
+            others = {}
+            for name, arguments in VARIANTS.items():
+                with _launch_with(**arguments):
+                    others[name] = _time(beam, step, pool, q)
             row = {"n": n, "prompt": prompt, "requests": ROWS // n, "kv": str(kv_dtype),
                    "flat_ms": flat, "cascade_ms": cascade, "triton_ms": tri,
-                   "triton_bf16_dots_ms": tri_bf16}  # fmt: skip
+                   **{f"triton_{name.replace(' ', '_')}_ms": ms for name, ms in others.items()}}  # fmt: skip
             results.append(row)
-            print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} {tri_bf16:>9.3f} "
-                  f"{flat / cascade:>12.2f} {cascade / tri:>14.2f}", flush=True)  # fmt: skip
+            print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} "
+                  + "".join(f"{ms:>10.3f}" for ms in others.values())
+                  + f" {flat / cascade:>12.2f} {cascade / tri:>14.2f}", flush=True)  # fmt: skip
             del pool
             torch.cuda.empty_cache()
     name = "bench_attention_bf16.json" if kv_dtype == torch.bfloat16 else "bench_attention.json"

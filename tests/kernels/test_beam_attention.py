@@ -125,12 +125,17 @@ KERNEL_CASES = [
 ]
 
 
+# None: the launch's own split count (on a GPU these small grids split, and take 64-slot
+# chunks); 1: one program per tile, the full-grid launch (128-slot chunks)
+@pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"hq{c[2]}-hkv{c[3]}-d{c[4]}-s{c[5]}")
-def test_kernel_matches_ref(case: tuple, cache_dtype: torch.dtype, device: torch.device) -> None:
+def test_kernel_matches_ref(
+    case: tuple, cache_dtype: torch.dtype, splits: int | None, device: torch.device
+) -> None:
     rows, prefix_lens, hq, hkv, d, s = case
     step = _make_step(rows, prefix_lens, hq, hkv, d, s, cache_dtype, device, seed=len(rows))
-    out = beam_cascade_attention(*step.args())
+    out = beam_cascade_attention(*step.args(), num_splits=splits)
     _assert_kernel_matches_ref(out, beam_cascade_attention_ref(*step.args()), step)
 
 

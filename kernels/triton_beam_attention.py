@@ -35,20 +35,18 @@ from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS", "SPLIT_BLOCK_N",
+    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
     "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
     "split_partials",
 ]  # fmt: skip
 
-# Tuning knobs, by head_dim: BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
+# Tuning knobs. BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
 # <= 128 (a [128, D] fp32 accumulator fits 8 warps' registers), 64 above. A 50-beam request with
-# GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk: 128 up to
-# head_dim 128, as the prefill kernel measured fastest for the same [128, 128] tiles
-# (docs/benchmarks.md, sessions 20 and 27; 64 before session 27), 64 above.
+# GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk. 128-slot
+# chunks were the prefill kernel's fastest for the same [128, 128] tiles (sessions 20 and 27);
+# for this kernel they are not measured yet (scripts/bench_attention.py times them beside it).
 BLOCK_M = {64: 128, 128: 128, 256: 64}
-BLOCK_N = {64: 128, 128: 128, 256: 64}
-SPLIT_BLOCK_N = 64
-"""BLOCK_N of a split launch (a grid that leaves SMs idle: one or two requests)."""
+BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
 _LOG2E = math.log2(math.e)
@@ -376,17 +374,14 @@ def launch_beam_cascade_attention(
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    size = min(max(head_dim, 64), 256)
-    block_m = BLOCK_M[size] if block_m is None else block_m
+    block_m = BLOCK_M[min(max(head_dim, 64), 256)] if block_m is None else block_m
     num_tiles = triton.cdiv(max_rows_per_request * group, block_m)
     if num_rows == 0:
         return
     num_requests = row_indptr.numel() - 1
     if num_splits is None:
         num_splits = auto_num_splits(num_requests * num_kv_heads * num_tiles, q.device)
-    if block_n is None:  # a split grid is a small one: its programs walk short ranges, keep
-        # them many (16 splits of 64 slots cover a 1,024-token prompt)
-        block_n = BLOCK_N[size] if num_splits == 1 else SPLIT_BLOCK_N
+    block_n = BLOCK_N if block_n is None else block_n
     part_acc, part_m, part_l = split_partials(num_splits, q, out)
     qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     grid = (num_requests, num_kv_heads, num_tiles * num_splits)

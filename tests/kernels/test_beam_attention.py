@@ -125,8 +125,8 @@ KERNEL_CASES = [
 ]
 
 
-# None: the launch's own split count (on a GPU these small grids split, and take 64-slot
-# chunks); 1: one program per tile, the full-grid launch (128-slot chunks)
+# None: the launch's own split count (on a GPU these small grids split); 1: one program per
+# tile, as a full grid launches
 @pytest.mark.parametrize("splits", [None, 1])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"hq{c[2]}-hkv{c[3]}-d{c[4]}-s{c[5]}")

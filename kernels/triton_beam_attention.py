@@ -79,8 +79,8 @@ def _operand(x, F16: tl.constexpr, INTERPRET: tl.constexpr):
     interpreter, fp32 holding the values on that grid (its dots are fp32, as the GPU's
     accumulation). sm_90 converts e4m3 to fp16 in one instruction per pair and to bf16 in three
     (through fp16), for every key and value element of every chunk; fp16 holds every e4m3 value
-    and every bf16 query element in [2^-14, 65504] exactly, and rounds P at 2^-11 instead of
-    bf16's 2^-8."""
+    and every bf16 query element in [2^-14, 65504] exactly, and rounds P to 11 significant bits
+    instead of bf16's 8 (below 2^-14, where P barely counts, to a fixed 2^-24)."""
     if F16:
         if INTERPRET:
             return x.to(tl.float16).to(tl.float32)

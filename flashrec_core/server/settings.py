@@ -59,10 +59,10 @@ class ServerSettings(BaseSettings):
     at every step boundary; an idle engine never waits."""
     gc_young_threshold: int = Field(default=10_000, ge=100)
     """Allocations (net of frees) between collections of the cyclic collector's youngest
-    generation (CPython's default is 700). Every collection holds the GIL, and at the default a
-    loaded server's requests in flight outlive two young collections and then take part in
-    every full one: 31 ms each at 800 in flight on the GPU machine. At 10,000 most requests
-    finish before a young collection sees them (engine/heap.py)."""
+    generation (CPython's default is 700). Every collection holds the GIL, and at 700 a loaded
+    server's requests in flight outlive two young collections and then take part in every full
+    one: 31-35 ms each at 800 in flight on the GPU machine. At 10,000 most requests finish
+    before a young collection sees them (engine/heap.py)."""
     log_requests: bool = True
     profile_engine: Path | None = None
     """cProfile the engine thread and write the stats (cumulative, text) here at shutdown."""

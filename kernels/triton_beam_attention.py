@@ -61,33 +61,32 @@ programs (25 us a layer on an H200, more than the split attention itself)."""
 _M_INIT = tl.constexpr(-1.0e30)
 
 
-@triton.jit
-def _dot_operand(x, INTERPRET: tl.constexpr):
-    """bf16 for a GPU tl.dot; under the interpreter fp32 holding the same bf16-rounded values."""
-    if INTERPRET:
-        return round_to_bf16(x.to(tl.float32))
-    else:
-        return x.to(tl.bfloat16)
-
-
 _F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
 def _operand(x, F16: tl.constexpr, INTERPRET: tl.constexpr):
-    """A tl.dot operand: fp16 with F16 (an FP8 cache), else bf16 (`_dot_operand`). Under the
-    interpreter, fp32 holding the values on that grid (its dots are fp32, as the GPU's
-    accumulation). sm_90 converts e4m3 to fp16 in one instruction per pair and to bf16 in three
-    (through fp16), for every key and value element of every chunk; fp16 holds every e4m3 value
-    and every bf16 query element in [2^-14, 65504] exactly, and rounds P to 11 significant bits
-    instead of bf16's 8 (below 2^-14, where P barely counts, to a fixed 2^-24)."""
+    """A tl.dot operand: fp16 with F16 (an FP8 cache), else bf16. Under the interpreter, fp32
+    holding the values on that grid (its dots are fp32, as the GPU's accumulation). sm_90
+    converts e4m3 to fp16 in one instruction per pair and to bf16 in three (through fp16), for
+    every key and value element of every chunk; fp16 holds every e4m3 value and every bf16
+    query element in [2^-14, 65504] exactly, and rounds P to 11 significant bits instead of
+    bf16's 8 (below 2^-14, where P barely counts, to a fixed 2^-24)."""
     if F16:
         if INTERPRET:
             return x.to(tl.float16).to(tl.float32)
         else:
             return x.to(tl.float16)
+    elif INTERPRET:
+        return round_to_bf16(x.to(tl.float32))
     else:
-        return _dot_operand(x, INTERPRET)
+        return x.to(tl.bfloat16)
+
+
+def use_f16_dots(k_cache: torch.Tensor, requested: bool | None) -> bool:
+    """Whether a launch's dots take fp16 operands (`_operand`): `requested`, or by default
+    whether the cache is FP8 (a bf16 cache keeps bf16 dots, whose range it may need)."""
+    return k_cache.dtype == torch.float8_e4m3fn if requested is None else requested
 
 
 @triton.jit
@@ -367,9 +366,8 @@ def launch_beam_cascade_attention(
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
     chunks at interpreter-friendly sizes; benchmarks, with num_warps / num_stages, other
-    launches); num_splits overrides `auto_num_splits` (a power of
-    two, at most MAX_SPLITS); f16_dots (default: whether the cache is FP8) the dots' operand
-    type (`_operand`).
+    launches); num_splits overrides `auto_num_splits` (a power of two, at most MAX_SPLITS);
+    f16_dots the dots' operand type (default: as `use_f16_dots` decides).
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -394,7 +392,7 @@ def launch_beam_cascade_attention(
         GROUP=group, S=suffix.shape[1], D=head_dim, HQ=num_q_heads,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
-        F16=k_cache.dtype == torch.float8_e4m3fn if f16_dots is None else f16_dots,
+        F16=use_f16_dots(k_cache, f16_dots),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -36,6 +36,7 @@ from .triton_beam_attention import (
     merge_splits,
     score_scales,
     split_partials,
+    use_f16_dots,
 )
 from .triton_fp8 import cast_for_store
 
@@ -213,8 +214,8 @@ def launch_prefill_attention(
 ) -> None:
     """Launch the (tiles, Hkv, splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper. block_n defaults to `default_block_n(head_dim)`,
-    num_splits to `auto_num_splits` of the grid (the beam kernel's rule), f16_dots to whether
-    the cache is FP8 (`_operand`; a bf16 cache keeps bf16 dots, whose range it may need)."""
+    num_splits to `auto_num_splits` of the grid (the beam kernel's rule), f16_dots as
+    `use_f16_dots` decides."""
     num_tiles, num_tokens = tiles.shape[0], q.shape[0]
     if num_tiles == 0 or num_tokens == 0:
         return
@@ -235,7 +236,7 @@ def launch_prefill_attention(
         BLOCK_N=default_block_n(head_dim) if block_n is None else block_n, SPLITS=num_splits,
         INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
         WINDOW=window is not None,
-        F16=k_cache.dtype == torch.float8_e4m3fn if f16_dots is None else f16_dots,
+        F16=use_f16_dots(k_cache, f16_dots),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)

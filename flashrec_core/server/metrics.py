@@ -158,9 +158,9 @@ class _GCPauses(Collector):
             "pauses of the cyclic garbage collector (GIL held), by generation (2: full)",
             labels=["generation"],
         )
+        bounds = [*map(str, self.BUCKETS), "+Inf"]
         for gen in range(3):
-            counts = list(itertools.accumulate(self._counts[gen]))
-            bounds = [*map(str, self.BUCKETS), "+Inf"]
+            counts = itertools.accumulate(self._counts[gen])
             family.add_metric([str(gen)], list(zip(bounds, counts)), self._sums[gen])
         yield family
 

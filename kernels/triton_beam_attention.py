@@ -36,19 +36,23 @@ from .triton_fp8 import cast_for_store, round_to_bf16
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
-    "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
+    "UNSPLIT_LAUNCH", "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
     "split_partials",
 ]  # fmt: skip
 
 # Tuning knobs. BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
 # <= 128 (a [128, D] fp32 accumulator fits 8 warps' registers), 64 above. A 50-beam request with
-# GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk. 128-slot
-# chunks were the prefill kernel's fastest for the same [128, 128] tiles (sessions 20 and 27);
-# for this kernel they are not measured yet (scripts/bench_attention.py times them beside it).
+# GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk, NUM_STAGES
+# software-pipeline depth: an unsplit launch at head_dim <= 128 takes the prefill kernel's
+# 128-slot chunks with 3 stages (`UNSPLIT_LAUNCH`), 10-17% faster than 64-slot chunks with 2 at
+# every shape of scripts/bench_attention.py on an H200 (docs/benchmarks.md, session 28); a split
+# launch keeps 64 slots and 2 stages: its programs walk a short range (a 1,024-token prompt in 16
+# splits is one 64-slot chunk each), and head_dim 256 keeps them too (unmeasured).
 BLOCK_M = {64: 128, 128: 128, 256: 64}
 BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
+UNSPLIT_LAUNCH = {"block_n": 128, "num_stages": 3}
 _LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
 """Most prompt ranges per (request, kv head, tile): 16 x 64-slot chunks cover a 1,024-token
@@ -359,14 +363,15 @@ def launch_beam_cascade_attention(
     num_splits: int | None = None,
     f16_dots: bool | None = None,
     num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,
 ) -> None:
     """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper.
 
     block_m / block_n override the tile shape (tests use small tiles to cover several tiles and
     chunks at interpreter-friendly sizes; benchmarks, with num_warps / num_stages, other
-    launches); num_splits overrides `auto_num_splits` (a power of two, at most MAX_SPLITS);
+    launches; unset, block_n and num_stages follow the split count, see the tuning knobs);
+    num_splits overrides `auto_num_splits` (a power of two, at most MAX_SPLITS);
     f16_dots the dots' operand type (default: as `use_f16_dots` decides).
     """
     num_rows, num_q_heads, head_dim = q.shape
@@ -379,7 +384,11 @@ def launch_beam_cascade_attention(
     num_requests = row_indptr.numel() - 1
     if num_splits is None:
         num_splits = auto_num_splits(num_requests * num_kv_heads * num_tiles, q.device)
-    block_n = BLOCK_N if block_n is None else block_n
+    wide = num_splits == 1 and head_dim <= 128
+    if block_n is None:
+        block_n = UNSPLIT_LAUNCH["block_n"] if wide else BLOCK_N
+    if num_stages is None:
+        num_stages = UNSPLIT_LAUNCH["num_stages"] if wide else NUM_STAGES
     part_acc, part_m, part_l = split_partials(num_splits, q, out)
     qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     grid = (num_requests, num_kv_heads, num_tiles * num_splits)

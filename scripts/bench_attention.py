@@ -1,6 +1,6 @@
 """Beam-step attention alone, one layer: FlashInfer flat decode vs FlashInfer cascade vs the
 Triton beam kernel (its default launch, and beside it the `VARIANTS`: the bf16 dots it had before
-session 27, 128-slot chunks, other pipeline depths), on the engine's own backends (plan once,
+session 27, the 64-slot chunks it had before session 28, other pipeline depths), on the engine's own backends (plan once,
 time `forward` with `triton.testing.do_bench`, which uses CUDA events).
 
 Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
@@ -50,9 +50,9 @@ def _step(n: int, prompt: int):
 # Other launches of the Triton beam kernel timed beside its default: name -> launcher arguments
 VARIANTS = {
     "bf16 dots": {"f16_dots": False},  # the operands before session 27
-    "n128 s2": {"block_n": 128},  # the prefill kernel's chunk
-    "n128 s3": {"block_n": 128, "num_stages": 3},
-    "n64 s3": {"num_stages": 3},
+    "n64 s2": {"block_n": 64, "num_stages": 2},  # the unsplit launch before session 28
+    "n128 s2": {"block_n": 128, "num_stages": 2},
+    "n128 s4": {"block_n": 128, "num_stages": 4},
 }
 
 

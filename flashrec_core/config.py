@@ -75,8 +75,9 @@ class EngineConfig(BaseModel):
     """Chunked prefill: while waves are in flight, a new wave's prefill runs about this many new
     prompt tokens per loop iteration (whole forwards of at most `prefill_chunk_tokens`, at least
     one), so the waves in flight step between its pieces and a beam step waits for one piece of
-    prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Not yet
-    measured on a GPU: meant to lower the latency tail under load."""
+    prefill, not a whole wave's (engine/loop.py). None: a wave's whole prefill at once. Meant to
+    lower the latency tail under load; on an H100 at 0.7x of saturation it did not
+    (docs/benchmarks.md, session 28)."""
     merge_beam_steps: bool | None = None
     """The beam steps of the waves in flight run as one model forward per loop iteration (rows
     of every wave, at whatever level, then each wave's own selection): under load the weights

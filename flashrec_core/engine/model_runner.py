@@ -16,6 +16,7 @@ from flashrec_core.attention import (  # noqa: F401
     create_attention_backend,
     flatten_shared_prefix,
 )
+from flashrec_core.attention.segments import SegmentedAttention
 from flashrec_core.config import EngineConfig, triton_usable
 from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
 from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocator
@@ -90,6 +91,24 @@ class ModelRunner:
             step.out_cache_loc.to(dev, non_blocking=True),
             metadata,
         )
+
+    @torch.inference_mode()
+    def forward_segments(self, steps: list[StepInput]) -> torch.Tensor:
+        """Hidden states [T, H] of several steps through one forward, rows in step order: a
+        prefill and beam steps read the weights once (attention/segments.py). Each step's
+        attention is planned and run as if it were alone."""
+        dev = self.device
+        segments = SegmentedAttention(self.attn_backend)
+        plans = segments.plan(steps)
+        batch = ForwardBatch(
+            input_ids=torch.cat([s.input_ids for s in steps]).to(dev, non_blocking=True),
+            positions=torch.cat([s.positions for s in steps]).to(dev, non_blocking=True),
+            out_cache_loc=torch.cat([s.out_cache_loc for s in steps]).to(dev, non_blocking=True),
+            kv_pool=self.kv_pool,
+            attn_backend=segments,
+            attn_metadata=plans,
+        )
+        return self.model(batch)
 
     @torch.inference_mode()
     def forward_batch(

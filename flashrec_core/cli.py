@@ -245,6 +245,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "one captured graph, and only where the Triton beam kernel runs the steps. Default: on "
         "where those graphs run (the CUDA default), off elsewhere",
     )  # fmt: skip
+    p.add_argument(
+        "--mixed-prefill-steps", action=argparse.BooleanOptionalAction, default=True,
+        help="run an admitted wave's prefill and the beam steps of waves in flight as one "
+        "model forward (each step's attention apart); only where both run eagerly (no CUDA "
+        "graphs, e.g. on CPU). Default: on",
+    )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
         "--disable-fused", action="append", default=[], metavar="SWITCH",
@@ -333,6 +339,7 @@ _ENGINE_FLAGS = {
     "prefill_attention": "prefill_attention",
     "prefill_tokens_per_step": "prefill_tokens_per_step", "host_threads": "host_threads",
     "fp8_gemm_triton_rows": "fp8_gemm_triton_rows", "merge_beam_steps": "merge_beam_steps",
+    "mixed_prefill_steps": "mixed_prefill_steps",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",

@@ -87,6 +87,14 @@ class EngineConfig(BaseModel):
     those graphs run (CUDA graphs with the Triton beam kernel, the CUDA default), off
     elsewhere. Measured on an H100 under open load (session 25): iterations 11.1 -> 9.5 ms and
     p50 51 -> 44 ms at 0.7x."""
+    mixed_prefill_steps: bool = True
+    """An admitted wave's prefill carries the beam steps of waves in flight (one step group of
+    `step_groups`) in the same model forward, each step's attention planned as if alone
+    (`ModelRunner.forward_segments`): the weights are read once per iteration, not once for
+    the prefill and again for the steps. Applies only where both run eagerly (CUDA graphs off or
+    unavailable, e.g. on CPU) and to a prefill of one forward without chunked prefill
+    (`prefill_tokens_per_step`): segmented forwards have no CUDA graphs yet (docs/
+    architecture.md, "The latency tail under load"). Not measured on a GPU."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose

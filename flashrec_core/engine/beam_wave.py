@@ -404,17 +404,56 @@ class BeamWave:
         spent = 0
         while progress.chunks and (token_budget is None or spent < token_budget or not spent):
             chunk = progress.chunks.popleft()
-            reqs = [r for r, _, _ in chunk]
-            # Host slots (state.prompt_slots), not the device table: reading it back would be
-            # one device-to-host sync per request. Every upload is non-blocking likewise.
-            step = prepare_prefill(
-                [progress.prompts[r] for r in reqs], [prompt_slots[r] for r in reqs],
-                [start for _, start, _ in chunk], [end for _, _, end in chunk],
-            )  # fmt: skip
+            step = _prefill_step(progress, prompt_slots, chunk)
             done = [i for i, (r, _, end) in enumerate(chunk) if end == progress.lengths[r]]
             progress.parts.append(self._prefill_forward(step, done))
             spent += sum(end - start for _, start, end in chunk)
         return not progress.chunks
+
+    @property
+    def mixes_prefills(self) -> bool:
+        """Whether an admitted wave's prefill can carry the beam steps of the waves in flight
+        (`begin_mixed`): only where both run eagerly, as segmented forwards have no CUDA
+        graphs yet (docs/architecture.md, "The latency tail under load")."""
+        return self.graphs is None and self.prefill_graphs is None
+
+    def begin_mixed(
+        self, requests: list[GenerationRequest], beside: Sequence[WaveState]
+    ) -> tuple[WaveState, bool]:
+        """`begin` (the whole prefill), with one beam step of every wave in `beside` through
+        the prefill's forward when that is one forward (`ModelRunner.forward_segments`): the
+        weights are read once for both. Returns the new wave and whether `beside` stepped; a
+        prefill of several forwards runs alone and the caller steps `beside`. On an error the
+        new wave's KV is handed back and none of `beside` has stepped."""
+        state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
+        self._bind_catalog(state)
+        try:
+            self._allocate(state)
+            self._start_prefill(state)
+            progress = state.prefill
+            assert progress is not None, "a wave whose prefill has not run"
+            if len(progress.chunks) != 1 or not beside:
+                self.prefill_some(state)
+                return state, False
+            prefill = _prefill_step(progress, state.prompt_slots, progress.chunks.popleft())
+            parts = [self._step_parts(wave, pad=False) for wave in beside]
+            hidden = self.runner.forward_segments(
+                [prefill, concat_beam_steps([p.step for p in parts])]
+            )
+            state.prefill = None  # every prompt ends in its one forward: all last tokens
+            last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
+            self._first_selection(state, hidden[last])
+            sels, start = [], prefill.input_ids.numel()
+            for wave, p in zip(beside, parts):
+                rows = p.beams.num_rows
+                sels.append(self._select_step(wave, p, hidden[start : start + rows]))
+                start += rows
+        except BaseException:
+            self.release(state, False)
+            raise
+        for wave, p, sel in zip(beside, parts, sels):
+            self._advanced(wave, p, sel)
+        return state, True
 
     def _first_selection(self, state: WaveState, hidden: torch.Tensor) -> None:
         """Level 0 from the prompts' last hidden states. The prefill's last forward is queued
@@ -627,3 +666,16 @@ class BeamWave:
         return self.selector.select(
             trie, level, hidden, parent_score, nodes, parents, out, draw, masks
         )
+
+
+def _prefill_step(
+    progress: PrefillProgress, prompt_slots: list[torch.Tensor], chunk: list[Piece]
+) -> StepInput:
+    """The prefill forward of one chunk of pieces (engine/scheduler.py `prefill_chunks`).
+    Host slots (state.prompt_slots), not the device table: reading it back would be one
+    device-to-host sync per request. Every upload is non-blocking likewise."""
+    reqs = [r for r, _, _ in chunk]
+    return prepare_prefill(
+        [progress.prompts[r] for r in reqs], [prompt_slots[r] for r in reqs],
+        [start for _, start, _ in chunk], [end for _, _, end in chunk],
+    )  # fmt: skip

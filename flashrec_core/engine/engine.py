@@ -75,6 +75,7 @@ class Engine:
         on_gpu = runner.device.type == "cuda"
         self.loop.intra_op_threads = ecfg.host_threads or (1 if on_gpu else None)
         self.loop.prefill_tokens_per_step = ecfg.prefill_tokens_per_step
+        self.loop.mixed_prefill_steps = ecfg.mixed_prefill_steps
 
     @property
     def catalog(self) -> Catalog | None:

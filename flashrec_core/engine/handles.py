@@ -115,6 +115,7 @@ class LoopStats:
     prefill_pieces: int = 0  # chunked prefill: pieces run in an iteration after the admission
     beam_steps: int = 0  # a wave's beam step, one per wave in flight per iteration
     beam_forwards: int = 0  # model forwards that ran them (fewer with merge_beam_steps)
+    mixed_forwards: int = 0  # of those, prefill forwards that carried them (mixed_prefill_steps)
     busy_seconds: float = 0.0  # inside run_once: the engine thread's working time
     cpu_seconds: float = 0.0  # CPU time of the threads running run_once, inside it
     kv_slots_used: int = 0  # held by requests in flight (neither free nor cached)

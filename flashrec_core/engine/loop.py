@@ -29,6 +29,12 @@ the waves in flight step between its pieces, so a beam step waits for one piece 
 not a whole wave's (chunked prefill). The wave joins the stepping waves after its last piece.
 Its requests leave it (cancel, timeout) only then.
 
+With `mixed_prefill_steps` (where prefills and beam steps run eagerly), the admission of step 3
+carries one step group of step 2: the new wave's prefill and that group's beam steps run as one
+model forward (`BeamWave.begin_mixed`, `ModelRunner.forward_segments`), so the weights are read
+once for both. When no wave is admitted, or its prefill takes several forwards, the group steps
+on its own.
+
 `run_once` is the whole iteration. The background thread (`start`) calls it while there is work;
 without a thread, `Engine.generate` calls it itself until its requests are done: offline and
 online use the same code path.
@@ -129,6 +135,9 @@ class EngineLoop:
         """While waves are in flight, admit only once this many times the last prefill's
         duration has passed since the last admission (the server's setting; 0: every step).
         Interleaved only: a decode-first loop admits with nothing in flight."""
+        self.mixed_prefill_steps = True
+        """An admitted wave's prefill carries one step group's beam steps in its forward where
+        both run eagerly (EngineConfig.mixed_prefill_steps, module docstring)."""
         self.prefill_tokens_per_step: int | None = None
         """New prompt tokens of a wave's prefill per iteration while waves are in flight (None:
         its whole prefill at once; EngineConfig.prefill_tokens_per_step, module docstring)."""
@@ -145,6 +154,7 @@ class EngineLoop:
         self._prefill_pieces = 0
         self._beam_steps = 0
         self._beam_forwards = 0
+        self._mixed_forwards = 0
         self._requests_admitted = 0
         self._busy_s = 0.0
         self._cpu_s = 0.0
@@ -257,6 +267,7 @@ class EngineLoop:
             prefill_pieces=self._prefill_pieces,
             beam_steps=self._beam_steps,
             beam_forwards=self._beam_forwards,
+            mixed_forwards=self._mixed_forwards,
             busy_seconds=self._busy_s,
             cpu_seconds=self._cpu_s,
             kv_slots_used=self._kv_used(),
@@ -341,11 +352,16 @@ class EngineLoop:
                 with phase("retire"):
                     self._retire(now)
                 waves = list(self._waves)
+                groups = [
+                    [waves[i] for i in group]
+                    for group in self.wave.step_groups([w.state for w in waves])
+                ]
+                beside = groups.pop(0) if groups and self._mixing() else []
                 with phase("step"):
-                    for group in self.wave.step_groups([w.state for w in waves]):
-                        self._advance([waves[i] for i in group])
+                    for group in groups:
+                        self._advance(group)
                 with phase("admit"):
-                    self._admit(now)
+                    self._admit(now, beside)
                 self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # iteration's most
                 with phase("results"):
                     self._deliver()
@@ -389,29 +405,56 @@ class EngineLoop:
             return True
         return False
 
-    def _admit(self, now: float) -> None:
+    def _mixing(self) -> bool:
+        """Whether this iteration's admission may carry a step group (`mixed_prefill_steps`):
+        requests are queued, both run eagerly, and the admission does not depend on which waves
+        are still in flight after the steps (decode-first, an admission delay) nor runs in
+        pieces (chunked prefill)."""
+        return (
+            self.mixed_prefill_steps and bool(self._queue) and self._prefilling is None
+            and self.schedule == "interleaved" and self.admission_delay_factor == 0
+            and self.prefill_tokens_per_step is None and self.wave.mixes_prefills
+        )  # fmt: skip
+
+    def _admit(self, now: float, beside: list[_Wave]) -> None:
+        """Admit a wave; the waves `beside` (a step group, or none) take their beam step in its
+        prefill's forward, or on their own when no wave is admitted or its prefill is not one
+        forward."""
+        if not self._admit_wave(now, beside) and beside:
+            self._advance(beside)
+
+    def _admit_wave(self, now: float, beside: list[_Wave]) -> bool:
+        """Whether the waves `beside` stepped."""
         if self._prefilling is not None:  # its next piece; no other wave until it is done
             self._prefill(self._prefilling, now)
-            return
+            return False
         if self._waves and self.schedule == "decode_first":
-            return  # the waves in flight run their remaining steps back to back first
+            return False  # the waves in flight run their remaining steps back to back first
         wait = self.admission_delay_factor * self._last_prefill_s
         if self._waves and now - self._last_admit_at < wait:
-            return  # let the queue grow into a larger wave; the waves in flight step meanwhile
+            return False  # let the queue grow into a larger wave; the waves in flight step
         handles = self._take_wave()
         if not handles:
-            return
+            return False
         admitted = time.monotonic()  # not `now` (the iteration's start): a request may have
         for h in handles:  # been submitted since, and its queue time would come out negative
             h.admitted_at = admitted
         budget = self.prefill_tokens_per_step if self._waves else None
         self._admit_started, self._prefill_spent_s = now, 0.0
+        requests, stepped = [h.request for h in handles], False
         try:
-            state = self.wave.begin([h.request for h in handles], budget)
-        except BaseException as exc:
+            if beside:
+                state, stepped = self.wave.begin_mixed(requests, [w.state for w in beside])
+            else:
+                state = self.wave.begin(requests, budget)
+        except BaseException as exc:  # none of `beside` stepped (BeamWave.begin_mixed)
             self._prefill_failed(handles, exc)
-            return
+            return False
+        if stepped:
+            self._mixed_forwards += 1
+            self._stepped(beside)
         self._prefilled(_Wave(state, handles), now)
+        return stepped
 
     def _prefill(self, wave: _Wave, now: float) -> None:
         """The next piece of a wave's prefill (chunked prefill, module docstring); alone, with
@@ -537,6 +580,11 @@ class EngineLoop:
             for wave in waves:
                 self._fail_wave(wave, exc)
             return
+        self._stepped(waves)
+
+    def _stepped(self, waves: list[_Wave]) -> None:
+        """After one forward stepped `waves`: counters, and the waves whose last step it was
+        finish."""
         self._beam_steps += len(waves)
         self._beam_forwards += 1
         for wave in waves:

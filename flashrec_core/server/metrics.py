@@ -87,6 +87,11 @@ class _EngineCollector(Collector):
                 "--merge-beam-steps: the waves in flight share one)",
                 s.beam_forwards,
             ),
+            "engine_mixed_forwards": (
+                "of those, an admitted wave's prefill forwards that carried them "
+                "(--mixed-prefill-steps, where prefills and steps run eagerly)",
+                s.mixed_forwards,
+            ),
             "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),
             "engine_cpu_seconds": (
                 "engine-thread CPU seconds inside iterations (busy less this: waiting for the "

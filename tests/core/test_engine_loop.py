@@ -68,6 +68,16 @@ def finish_and_compare(loop, handles, references) -> None:
         assert_same_ranking(ranking(h.future.result()), ranking(ref), ATOL_SAME_ENGINE)
 
 
+def _finish_and_compare_alone(engine: Engine, handles: list) -> None:
+    """Drive the loop until every handle is done, then serve each request alone (after, so
+    that the requests in flight prefilled fresh prompts): the same ranking."""
+    while not all(h.future.done() for h in handles):
+        engine.loop.run_once()
+    for h in handles:
+        [alone] = engine.generate([h.request])
+        assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+
+
 def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
     loop = engine.loop
     first = loop.submit(engine.make_request(prompt="w1 w2 w3", n=8))
@@ -81,6 +91,52 @@ def test_a_request_joins_while_another_wave_runs(engine: Engine) -> None:
     for h in (first, second):
         [alone] = engine.generate([h.request])
         assert_same_ranking(ranking(h.future.result()), ranking(alone), ATOL_SAME_ENGINE)
+    assert_idle(engine)
+
+
+def test_an_admitted_prefill_carries_the_step_of_the_wave_in_flight(engine: Engine) -> None:
+    """Eagerly (the CPU), a wave admitted beside one in flight prefills in the forward that
+    takes the other's beam step (mixed_prefill_steps): one forward, both answers as alone."""
+    loop = engine.loop
+    # prompts of no other test, so that their prefills compute them (nothing cached)
+    first = loop.submit(engine.make_request(prompt="w11 w12 w13", n=8))
+    loop.run_once()  # alone: nothing in flight to carry
+    before = loop.stats()
+    second = loop.submit(engine.make_request(prompt="w14 w15 w16 w17", n=4))
+    loop.run_once()  # second's whole prefill + first's level-2 step, one forward
+    after = loop.stats()
+    assert after.mixed_forwards == before.mixed_forwards + 1
+    assert (after.beam_steps, after.beam_forwards) == (before.beam_steps + 1,
+                                                       before.beam_forwards + 1)  # fmt: skip
+    assert after.waves_admitted == before.waves_admitted + 1
+    _finish_and_compare_alone(engine, [first, second])
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [({"mixed_prefill_steps": False}, "turned off"),
+     ({"prefill_chunk_tokens": 4}, "a prefill of several forwards")],
+)  # fmt: skip
+def test_a_prefill_that_cannot_carry_steps_runs_apart(
+    checkpoint: Path, fields: dict, why: str
+) -> None:
+    """Off, or when the admitted prefill takes several forwards, the wave in flight steps in
+    its own forward; the answers are the same."""
+    engine = make_engine(checkpoint, **fields)
+    loop = engine.loop
+    requests = [engine.make_request(prompt="w1 w2 w3", n=8),
+                engine.make_request(prompt=LONG_PROMPT, n=4)]  # fmt: skip
+    before = loop.stats()
+    first = loop.submit(requests[0])
+    loop.run_once()
+    second = loop.submit(requests[1])
+    loop.run_once()
+    after = loop.stats()
+    assert after.mixed_forwards == before.mixed_forwards, why
+    assert after.beam_steps == before.beam_steps + 1
+    assert after.waves_admitted == before.waves_admitted + 2
+    _finish_and_compare_alone(engine, [first, second])
     assert_idle(engine)
 
 
@@ -300,17 +356,28 @@ def _prefill_runs_out_of_memory_over(
     requests (what torch raises when a wave is too big for the memory the KV pool left);
     returns the sizes of the prefills that ran."""
     wave, ran = engine.wave, []
-    real = wave.prefill_some
+    real, real_mixed = wave.prefill_some, wave.begin_mixed
+
+    def refuse(requests: list) -> None:
+        if len(requests) > most:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (a prefill of {len(requests)})")
 
     def prefill_some(state, token_budget=None) -> bool:
-        if len(state.requests) > most:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (a prefill of {len(state.requests)})")
+        refuse(state.requests)
         done = real(state, token_budget)
         if done:
             ran.append(len(state.requests))
         return done
 
+    def begin_mixed(requests, beside):  # a prefill carrying beam steps (mixed_prefill_steps)
+        refuse(requests)
+        state, stepped = real_mixed(requests, beside)
+        if stepped:  # else its prefill ran through prefill_some, counted there
+            ran.append(len(requests))
+        return state, stepped
+
     monkeypatch.setattr(wave, "prefill_some", prefill_some)
+    monkeypatch.setattr(wave, "begin_mixed", begin_mixed)
     return ran
 
 

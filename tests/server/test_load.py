@@ -70,6 +70,11 @@ def test_300_concurrent_requests_equal_the_same_requests_alone(server: ServerPro
         - before["flashrec_prefix_cache_hit_tokens_total"]
     )
     assert hits > 0, "repeated prompts are served from the prefix cache"
+    mixed = (
+        after["flashrec_engine_mixed_forwards_total"]
+        - before["flashrec_engine_mixed_forwards_total"]
+    )
+    assert mixed > 0, "on the CPU (eager), admitted prefills carry the steps of waves in flight"
 
 
 def test_chunked_prefill_under_load_answers_as_alone(checkpoint: Path) -> None:

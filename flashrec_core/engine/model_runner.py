@@ -101,9 +101,9 @@ class ModelRunner:
         segments = SegmentedAttention(self.attn_backend)
         plans = segments.plan(steps)
         batch = ForwardBatch(
-            input_ids=torch.cat([s.input_ids for s in steps]).to(dev, non_blocking=True),
-            positions=torch.cat([s.positions for s in steps]).to(dev, non_blocking=True),
-            out_cache_loc=torch.cat([s.out_cache_loc for s in steps]).to(dev, non_blocking=True),
+            input_ids=_cat_on(dev, [s.input_ids for s in steps]),
+            positions=_cat_on(dev, [s.positions for s in steps]),
+            out_cache_loc=_cat_on(dev, [s.out_cache_loc for s in steps]),
             kv_pool=self.kv_pool,
             attn_backend=segments,
             attn_metadata=plans,
@@ -223,3 +223,9 @@ def prepare_prefill(
 def _tensor(a: np.ndarray) -> torch.Tensor:
     """int64 host tensor over a numpy array (no copy when it is int64 already)."""
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _cat_on(device: torch.device, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenated on `device`: a prefill's inputs are built on the host, a beam step's tokens
+    and slots on the device (no sync), and torch.cat takes one device."""
+    return torch.cat([p.to(device, non_blocking=True) for p in parts])

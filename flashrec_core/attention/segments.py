@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,8 +45,7 @@ class SegmentedAttention:
         """Each step planned by the wrapped backend, in order."""
         if not steps:
             raise ValueError("a segmented forward needs at least one step")
-        sizes = [s.input_ids.numel() for s in steps]
-        bounds = tuple(int(b) for b in torch.tensor([0, *sizes]).cumsum(0).tolist())
+        bounds = (0, *accumulate(s.input_ids.numel() for s in steps))
         return SegmentPlans(bounds, tuple(self.inner.plan(s) for s in steps))
 
     def forward(

@@ -99,7 +99,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--level-sizes", default="8192,8192,8192")
     bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
-    bench.add_argument("--no-graphs", action="store_true", help="eager beam steps (no CUDA graphs)")
+    bench.add_argument("--no-graphs", action="store_true",
+                       help="eager beam steps (no CUDA graphs); with --engine, no CUDA graphs at all")  # fmt: skip
     add_beam_attention_args(bench)
     bench.add_argument("--no-hf-baseline", action="store_true")
     bench.add_argument("--hf-requests", type=int, default=8)
@@ -143,6 +144,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
                      help="with --engine: one forward for all waves' beam steps (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--mixed-prefill-steps", action=argparse.BooleanOptionalAction, default=None,
+                     help="with --engine: prefills carry beam steps where forwards run eagerly (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -567,7 +570,7 @@ def _read_messages(path: str) -> list[dict[str, str]]:
 
 _BENCH_ENGINE_FLAGS = (
     "schedule", "prefill_tokens_per_step", "host_threads", "fp8_gemm_triton_rows",
-    "merge_beam_steps",
+    "merge_beam_steps", "mixed_prefill_steps",
 )  # fmt: skip
 """`bench --engine`'s engine flags that map one to one onto EngineConfig fields."""
 
@@ -579,6 +582,8 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     out = {f: v for f, v in given.items() if v is not None}
     if args.prefill_attention != "auto":
         out["prefill_attention"] = args.prefill_attention
+    if args.no_graphs:
+        out["cuda_graphs"] = False
     return out
 
 

@@ -169,6 +169,8 @@ def bench_engine(
         "merge_beam_steps": engine.wave.merge_steps,
         "beam_steps": engine.loop.stats().beam_steps,  # warm-up included, as kv_slots_peak_used
         "beam_forwards": engine.loop.stats().beam_forwards,
+        "mixed_prefill_steps": engine.loop.mixed_prefill_steps and engine.wave.mixes_prefills,
+        "mixed_forwards": engine.loop.stats().mixed_forwards,  # warm-up included
         "merged_step_replays": graphs.stats.merged_replays if graphs else 0,
         **({"trace": trace} if trace is not None else {}),
     }

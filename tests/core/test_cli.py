@@ -122,3 +122,24 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
     cfg = EngineConfig(model_path="/m", **_bench_engine_settings(args))
     fields = ("schedule", "prefill_attention", "prefill_tokens_per_step")
     assert {k: getattr(cfg, k) for k in fields} == {k: expected[k] for k in fields}
+
+
+@pytest.mark.parametrize(
+    ("flags", "graphs", "mixed"),
+    [((), True, True), (("--no-mixed-prefill-steps",), True, False),
+     (("--no-graphs",), False, True), (("--no-graphs", "--no-mixed-prefill-steps"), False, False)],
+)  # fmt: skip
+def test_bench_engine_takes_graphs_and_mixed_prefills(
+    flags: tuple[str, ...], graphs: bool, mixed: bool
+) -> None:
+    """`bench --engine --no-graphs` runs the engine without CUDA graphs, where mixed prefills
+    apply, so their A/B is `--no-mixed-prefill-steps` beside it; generate takes the flag too."""
+    from flashrec_core.cli import _bench_engine_settings, _build_parser, engine_fields
+    from flashrec_core.config import EngineConfig
+
+    args = _build_parser().parse_args(["bench", "--engine", "/m", *flags])
+    cfg = EngineConfig(model_path="/m", **_bench_engine_settings(args))
+    assert (cfg.cuda_graphs, cfg.mixed_prefill_steps) == (graphs, mixed)
+    gen = [f for f in flags if f != "--no-graphs"]
+    args = _build_parser().parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *gen])
+    assert EngineConfig(**engine_fields(args)).mixed_prefill_steps == mixed

@@ -44,7 +44,7 @@ __all__ = [
 # <= 128 (a [128, D] fp32 accumulator fits 8 warps' registers), 64 above. A 50-beam request with
 # GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk, NUM_STAGES
 # software-pipeline depth: an unsplit launch at head_dim <= 128 takes the prefill kernel's
-# 128-slot chunks with 3 stages (`UNSPLIT_LAUNCH`), 10-17% faster than 64-slot chunks with 2 at
+# 128-slot chunks with 3 stages (`UNSPLIT_LAUNCH`), 7-17% faster than 64-slot chunks with 2 at
 # every shape of scripts/bench_attention.py on an H200 (docs/benchmarks.md, session 28); a split
 # launch keeps 64 slots and 2 stages: its programs walk a short range (a 1,024-token prompt in 16
 # splits is one 64-slot chunk each), and head_dim 256 keeps them too (unmeasured).

@@ -222,12 +222,22 @@ class BeamWave:
         about that many new tokens: `prefill_some` runs the rest. The first selection follows
         the last forward (`state.level` is then 1). On any error (a pool too small, say)
         everything taken so far is handed back before the error propagates."""
+        state = self._allocated_wave(requests)
+        try:
+            self.prefill_some(state, token_budget)
+        except BaseException:
+            self.release(state, False)
+            raise
+        return state
+
+    def _allocated_wave(self, requests: list[GenerationRequest]) -> WaveState:
+        """A new wave bound to its catalog version, its KV allocated and its prefill forwards
+        planned (none run yet); on an error what was taken is handed back."""
         state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
         self._bind_catalog(state)
         try:
             self._allocate(state)
             self._start_prefill(state)
-            self.prefill_some(state, token_budget)
         except BaseException:
             self.release(state, False)
             raise
@@ -425,11 +435,8 @@ class BeamWave:
         weights are read once for both. Returns the new wave and whether `beside` stepped; a
         prefill of several forwards runs alone and the caller steps `beside`. On an error the
         new wave's KV is handed back and none of `beside` has stepped."""
-        state = WaveState(list(requests), [], [], [], [], torch.empty(0, 0, dtype=torch.int64))
-        self._bind_catalog(state)
+        state = self._allocated_wave(requests)
         try:
-            self._allocate(state)
-            self._start_prefill(state)
             progress = state.prefill
             assert progress is not None, "a wave whose prefill has not run"
             if len(progress.chunks) != 1 or not beside:
@@ -443,11 +450,7 @@ class BeamWave:
             state.prefill = None  # every prompt ends in its one forward: all last tokens
             last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
             self._first_selection(state, hidden[last])
-            sels, start = [], prefill.input_ids.numel()
-            for wave, p in zip(beside, parts):
-                rows = p.beams.num_rows
-                sels.append(self._select_step(wave, p, hidden[start : start + rows]))
-                start += rows
+            sels = self._select_steps(beside, parts, hidden, prefill.input_ids.numel())
         except BaseException:
             self.release(state, False)
             raise
@@ -529,11 +532,7 @@ class BeamWave:
         else:
             parts = [self._step_parts(state, pad=False) for state in states]
             hidden = self.runner.forward(concat_beam_steps([p.step for p in parts]))
-            sels, start = [], 0
-            for state, p in zip(states, parts):
-                rows = p.beams.num_rows
-                sels.append(self._select_step(state, p, hidden[start : start + rows]))
-                start += rows
+            sels = self._select_steps(states, parts, hidden, 0)
         for state, p, sel in zip(states, parts, sels):
             self._advanced(state, p, sel)
 
@@ -613,6 +612,22 @@ class BeamWave:
         )  # fmt: skip
         beams = shape.beams if num_pad else real
         return _StepParts(step, beams, pad_rows.selection(state.sel), own, history, padded)
+
+    def _select_steps(
+        self,
+        states: Sequence[WaveState],
+        parts: Sequence[_StepParts],
+        hidden: torch.Tensor,
+        start: int,
+    ) -> list[Selection]:
+        """Each wave's selection on its rows of a forward that ran their steps back to back
+        from row `start` (`concat_beam_steps`)."""
+        sels = []
+        for state, p in zip(states, parts):
+            rows = p.beams.num_rows
+            sels.append(self._select_step(state, p, hidden[start : start + rows]))
+            start += rows
+        return sels
 
     def _select_step(self, state: WaveState, parts: _StepParts, hidden: torch.Tensor) -> Selection:
         return self._select(

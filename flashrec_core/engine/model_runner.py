@@ -100,15 +100,13 @@ class ModelRunner:
         dev = self.device
         segments = SegmentedAttention(self.attn_backend)
         plans = segments.plan(steps)
-        batch = ForwardBatch(
-            input_ids=_cat_on(dev, [s.input_ids for s in steps]),
-            positions=_cat_on(dev, [s.positions for s in steps]),
-            out_cache_loc=_cat_on(dev, [s.out_cache_loc for s in steps]),
-            kv_pool=self.kv_pool,
-            attn_backend=segments,
-            attn_metadata=plans,
+        return self.forward_batch(
+            _cat_on(dev, [s.input_ids for s in steps]),
+            _cat_on(dev, [s.positions for s in steps]),
+            _cat_on(dev, [s.out_cache_loc for s in steps]),
+            plans,
+            backend=segments,
         )
-        return self.model(batch)
 
     @torch.inference_mode()
     def forward_batch(
@@ -117,15 +115,17 @@ class ModelRunner:
         positions: torch.Tensor,
         out_cache_loc: torch.Tensor,
         attn_metadata: Any,
+        backend: Any = None,
     ) -> torch.Tensor:
         """The model on device tensors with an attention plan made beforehand: the capturable
-        part of a step (CUDA graphs replay exactly this)."""
+        part of a step (CUDA graphs replay exactly this). `backend` runs the attention instead
+        of the runner's (`forward_segments`: a `SegmentedAttention` over it)."""
         batch = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
             out_cache_loc=out_cache_loc,
             kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
+            attn_backend=self.attn_backend if backend is None else backend,
             attn_metadata=attn_metadata,
         )
         return self.model(batch)

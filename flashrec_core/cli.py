@@ -145,7 +145,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
                      help="with --engine: one forward for all waves' beam steps (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--mixed-prefill-steps", action=argparse.BooleanOptionalAction, default=None,
-                     help="with --engine: prefills carry beam steps where forwards run eagerly (flashrec generate --help)")  # fmt: skip
+                     help="with --engine: prefills carry beam steps (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="T",
+                     help="with --engine: the largest prefill that mixes (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--filter-categories", type=int, default=0,
                      help="with --engine: each request allows this many of the bench catalog's "
                      "100 item categories (an attribute filter)")  # fmt: skip
@@ -251,8 +253,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mixed-prefill-steps", action=argparse.BooleanOptionalAction, default=True,
         help="run an admitted wave's prefill and the beam steps of waves in flight as one "
-        "model forward (each step's attention apart); only where both run eagerly (no CUDA "
-        "graphs, e.g. on CPU). Default: on",
+        "model forward (each step's attention apart); with CUDA graphs, through graphs of "
+        "mixed steps for prefills of one or two requests (--mixed-prefill-tokens). Default: on",
+    )  # fmt: skip
+    p.add_argument(
+        "--mixed-prefill-tokens", type=int, default=2048, metavar="T",
+        help="with CUDA graphs, the most new prompt tokens of a prefill that carries beam "
+        "steps (mixed graphs per prefill bucket 512, 1024, ... up to T); 0: mix only where "
+        "forwards run eagerly (default: 2048)",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(
@@ -342,7 +350,7 @@ _ENGINE_FLAGS = {
     "prefill_attention": "prefill_attention",
     "prefill_tokens_per_step": "prefill_tokens_per_step", "host_threads": "host_threads",
     "fp8_gemm_triton_rows": "fp8_gemm_triton_rows", "merge_beam_steps": "merge_beam_steps",
-    "mixed_prefill_steps": "mixed_prefill_steps",
+    "mixed_prefill_steps": "mixed_prefill_steps", "mixed_prefill_tokens": "mixed_prefill_tokens",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -570,7 +578,7 @@ def _read_messages(path: str) -> list[dict[str, str]]:
 
 _BENCH_ENGINE_FLAGS = (
     "schedule", "prefill_tokens_per_step", "host_threads", "fp8_gemm_triton_rows",
-    "merge_beam_steps", "mixed_prefill_steps",
+    "merge_beam_steps", "mixed_prefill_steps", "mixed_prefill_tokens",
 )  # fmt: skip
 """`bench --engine`'s engine flags that map one to one onto EngineConfig fields."""
 

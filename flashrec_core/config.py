@@ -91,10 +91,15 @@ class EngineConfig(BaseModel):
     """An admitted wave's prefill carries the beam steps of waves in flight (one step group of
     `step_groups`) in the same model forward, each step's attention planned as if alone
     (`ModelRunner.forward_segments`): the weights are read once per iteration, not once for
-    the prefill and again for the steps. Applies only where both run eagerly (CUDA graphs off or
-    unavailable, e.g. on CPU) and to a prefill of one forward without chunked prefill
-    (`prefill_tokens_per_step`): segmented forwards have no CUDA graphs yet (docs/
-    architecture.md, "The latency tail under load"). Not measured on a GPU."""
+    the prefill and again for the steps (docs/architecture.md, "The latency tail under load").
+    Applies to a prefill of one forward without chunked prefill (`prefill_tokens_per_step`):
+    eagerly where both run eagerly (e.g. on CPU), and with CUDA graphs through graphs of
+    mixed steps (engine/cuda_graph.py `run_mixed`: merged steps on graphs, a prefill of one
+    or two requests and at most `mixed_prefill_tokens` new tokens)."""
+    mixed_prefill_tokens: int = Field(default=2048, ge=0)
+    """With CUDA graphs, the most new prompt tokens of a prefill that carries beam steps
+    (`mixed_prefill_steps`); mixed graphs are captured per prefill bucket (512, 1024, 2048, ...
+    up to this) and step shape. 0: mixing only where forwards run eagerly."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose

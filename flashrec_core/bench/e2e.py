@@ -171,6 +171,8 @@ def bench_engine(
         "beam_forwards": engine.loop.stats().beam_forwards,
         "mixed_prefill_steps": engine.loop.mixed_prefill_steps and engine.wave.mixes_prefills,
         "mixed_forwards": engine.loop.stats().mixed_forwards,  # warm-up included
+        "mixed_prefill_tokens": graphs.mixed_tokens if graphs else None,
+        "mixed_step_replays": graphs.stats.mixed_replays if graphs else 0,
         "merged_step_replays": graphs.stats.merged_replays if graphs else 0,
         **({"trace": trace} if trace is not None else {}),
     }

@@ -236,6 +236,7 @@ _ENGINE_TOTALS = (
     "flashrec_engine_admission_retries_total{reason=kv_slots}",
     "flashrec_engine_admission_retries_total{reason=device_memory}",
     "flashrec_engine_beam_steps_total", "flashrec_engine_beam_forwards_total",
+    "flashrec_engine_mixed_forwards_total",
     *(f"flashrec_gc_pause_seconds_{kind}{{generation={g}}}" for kind in ("sum", "count")
       for g in range(3)),
 )  # fmt: skip
@@ -270,6 +271,8 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "mean_iteration_ms": 1e3 * d["busy_seconds"] / iters,
         # 1: every wave's beam step ran its own forward; lower with --merge-beam-steps
         "beam_forwards_per_step": d["beam_forwards"] / max(d["beam_steps"], 1),
+        # admissions whose prefill carried a step group (--mixed-prefill-steps), an iteration
+        "mixed_forwards_per_iteration": d["mixed_forwards"] / iters,
         "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
         # the server process's CPU time outside the engine thread: HTTP, parsing, answers (and,
         # for a model run on the CPU, torch's intra-op worker threads)

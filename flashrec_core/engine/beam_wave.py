@@ -27,6 +27,7 @@ from flashrec_core.engine.beam_inputs import (
 )
 from flashrec_core.engine.catalogs import CatalogVersion
 from flashrec_core.engine.cuda_graph import (
+    MAX_MIXED_STEP_SHAPES,
     DecodeGraphs,
     GraphVariant,
     MergedPart,
@@ -423,9 +424,12 @@ class BeamWave:
     @property
     def mixes_prefills(self) -> bool:
         """Whether an admitted wave's prefill can carry the beam steps of the waves in flight
-        (`begin_mixed`): only where both run eagerly, as segmented forwards have no CUDA
-        graphs yet (docs/architecture.md, "The latency tail under load")."""
-        return self.graphs is None and self.prefill_graphs is None
+        (`begin_mixed`): where both run eagerly, or with CUDA graphs of mixed steps
+        (`DecodeGraphs.run_mixed`: merged steps on graphs, prefill graphs, and
+        `mixed_prefill_tokens`; docs/architecture.md, "The latency tail under load")."""
+        if self.graphs is None:
+            return self.prefill_graphs is None
+        return self.merge_steps and self.prefill_graphs is not None and self.graphs.mixed_tokens > 0
 
     def begin_mixed(
         self, requests: list[GenerationRequest], beside: Sequence[WaveState]
@@ -439,24 +443,54 @@ class BeamWave:
         try:
             progress = state.prefill
             assert progress is not None, "a wave whose prefill has not run"
-            if len(progress.chunks) != 1 or not beside:
+            mixed = None
+            if len(progress.chunks) == 1 and beside:
+                prefill = _prefill_step(progress, state.prompt_slots, progress.chunks[0])
+                last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
+                mixed = self._mixed_forward(prefill, last, beside)
+            if mixed is None:  # several forwards, or no graph for this mix: apart
                 self.prefill_some(state)
                 return state, False
-            prefill = _prefill_step(progress, state.prompt_slots, progress.chunks.popleft())
-            parts = [self._step_parts(wave, pad=False) for wave in beside]
-            hidden = self.runner.forward_segments(
-                [prefill, concat_beam_steps([p.step for p in parts])]
-            )
+            first, parts, sels = mixed
+            progress.chunks.popleft()
             state.prefill = None  # every prompt ends in its one forward: all last tokens
-            last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
-            self._first_selection(state, hidden[last])
-            sels = self._select_steps(beside, parts, hidden, prefill.input_ids.numel())
+            self._first_selection(state, first)
         except BaseException:
             self.release(state, False)
             raise
         for wave, p, sel in zip(beside, parts, sels):
             self._advanced(wave, p, sel)
         return state, True
+
+    def _mixed_forward(
+        self, prefill: StepInput, last: torch.Tensor, beside: Sequence[WaveState]
+    ) -> tuple[torch.Tensor, list[_StepParts], list[Selection]] | None:
+        """The prefill and one beam step of the waves `beside` through one forward: the
+        prefill's hidden states at `last`, each wave's step parts and selection; None when
+        the mix has no CUDA graph (the caller runs them apart). Nothing of `beside` is
+        updated yet."""
+        if self.graphs is None:  # eagerly: a segmented forward, then each selection
+            parts = [self._step_parts(wave, pad=False) for wave in beside]
+            hidden = self.runner.forward_segments(
+                [prefill, concat_beam_steps([p.step for p in parts])]
+            )
+            sels = self._select_steps(beside, parts, hidden, prefill.input_ids.numel())
+            return hidden[last], parts, sels
+        parts = [self._step_parts(wave, pad=True) for wave in beside]
+        widths = {p.beams.max_width for p in parts}
+        variants = {wave.variant.key if wave.variant else 0 for wave in beside}
+        if (
+            len(widths) != 1
+            or len(variants) != 1
+            or any(merged_rows(p.padded, p.beams.max_width, self.max_rows) is None for p in parts)
+        ):
+            return None  # a wave a merged step graph cannot take (step_groups)
+        merged = [
+            MergedPart(wave.level, p.step, p.sel.score, p.sel.node, p.beams, wave.masks)
+            for wave, p in zip(beside, parts)
+        ]  # fmt: skip
+        out = self.graphs.run_mixed(prefill, last, merged, self.depth - 1, beside[0].variant)
+        return None if out is None else (out[0], parts, out[1])
 
     def _first_selection(self, state: WaveState, hidden: torch.Tensor) -> None:
         """Level 0 from the prompts' last hidden states. The prefill's last forward is queued
@@ -585,6 +619,17 @@ class BeamWave:
         shapes = merged_shapes(width, self.depth, self.max_rows)
         self.graphs.capture_merged(width, shapes, self.depth - 1, variant, filters)
         return len(shapes) * (2 if filters is not None else 1)
+
+    def capture_mixed_steps(self, width: int, version: CatalogVersion | None = None) -> int:
+        """Capture the mixed graphs (`DecodeGraphs.capture_mixed`) of one or more waves at
+        `width` on catalog `version`'s trie (None: the default): every mixed prefill bucket
+        with the step shapes of `merged_shapes(min_waves=1)` (at most `MAX_MIXED_STEP_SHAPES`);
+        how many. Nothing where prefills do not mix through graphs."""
+        if self.graphs is None or not self.mixes_prefills:
+            return 0
+        variant = self._variant(version) if version is not None else None
+        shapes = merged_shapes(width, self.depth, self.max_rows, 1, MAX_MIXED_STEP_SHAPES)
+        return self.graphs.capture_mixed(width, shapes, self.depth - 1, variant)
 
     def _step_parts(self, state: WaveState, pad: bool) -> _StepParts:
         """The wave's inputs of its next beam step; with `pad`, padded to the graph shape it

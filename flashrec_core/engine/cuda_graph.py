@@ -46,7 +46,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
+from flashrec_core.attention.segments import SegmentedAttention, SegmentPlans
 from flashrec_core.engine.beam_inputs import concat_beam_steps, pad_requests_step
+from flashrec_core.engine.prefill_graph import (
+    MIXED_SEQUENCES,
+    empty_prefill,
+    mixed_prefill_shape,
+    mixed_token_buckets,
+    pad_prefill,
+)
 from flashrec_core.search.beam import NEG_INF, BeamLayout, Selection
 from flashrec_core.search.filters import FilterMasks
 from flashrec_core.search.selector import BeamSelector
@@ -69,6 +77,11 @@ the request cap keeps the shapes the warm-up captures few."""
 MAX_MERGED_SHAPES = 64
 """The most merged shapes `merged_shapes` lists for a warm-up (the request ladder is cut until
 its combinations fit): each is a graph capture of a forward and its selections."""
+
+MAX_MIXED_STEP_SHAPES = 16
+"""The most step shapes (one or more waves) the warm-up captures mixed graphs for, at each of
+the mixed prefill buckets: at n=50 and depth 3, every level set at 1, 2 and 4 requests a wave
+(15 shapes, 45 graphs with three buckets, about 6 s on an H100). Others capture on first use."""
 
 MASK_BUFFER_BYTES = 1 << 30
 """Largest filter-mask buffer (one per catalog version, level and width) a graph may read; a
@@ -118,24 +131,28 @@ def _merge_count_set(width: int, max_rows: int) -> frozenset[int]:
 MergedShape = tuple[tuple[int, int], ...]
 """(level, padded request count) of each wave of a merged step, oldest wave first."""
 
-_MergedKey = tuple[int, int, MergedShape, tuple[bool, ...]]
-"""A merged graph's key: catalog variant, beam width, shape, and which parts are filtered."""
+_MergedKey = tuple[int, int, MergedShape, tuple[bool, ...], tuple[int, int] | None]
+"""A merged graph's key: catalog variant, beam width, shape, which parts are filtered, and the
+(tokens, sequences) of a mixed step's prefill (None: a merged step alone)."""
 
 
-def merged_shapes(width: int, depth: int, max_rows: int) -> list[MergedShape]:
-    """The merged shapes a server's traffic meets at `width`: every set of two or more distinct
-    levels (the loop admits at most one wave per iteration, so the waves in flight sit at
-    distinct levels), deepest (oldest) first, at every count of `merge_counts` each; the
-    largest counts are dropped until they fit `MAX_MERGED_SHAPES`."""
+def merged_shapes(
+    width: int, depth: int, max_rows: int, min_waves: int = 2, most: int = MAX_MERGED_SHAPES
+) -> list[MergedShape]:
+    """The merged shapes a server's traffic meets at `width`: every set of `min_waves` or more
+    distinct levels (the loop admits at most one wave per iteration, so the waves in flight sit
+    at distinct levels), deepest (oldest) first, at every count of `merge_counts` each; the
+    largest counts are dropped until they fit `most`. (`min_waves=1`: the step shapes of mixed
+    graphs, where one wave's step rides in a prefill's forward too.)"""
     counts = merge_counts(width, max_rows)
     levels = range(depth - 1, 0, -1)
     while counts:
         shapes: list[MergedShape] = []
-        for size in range(2, depth):
+        for size in range(min_waves, depth):
             for chosen in itertools.combinations(levels, size):
                 for picked in itertools.product(counts, repeat=size):
                     shapes.append(tuple(zip(chosen, picked)))
-        if len(shapes) <= MAX_MERGED_SHAPES:
+        if len(shapes) <= most:
             return shapes
         counts = counts[:-1]
     return []
@@ -183,6 +200,13 @@ def _owned(sel: Selection) -> Selection:
     return Selection(sel.parent.clone(), sel.code.clone(), sel.node.clone(), sel.score.clone())
 
 
+def _owned_output(output: _MergedOutput) -> _MergedOutput:
+    """A merged graph's selections copied (`_owned`); a mixed step's prefill hidden states are
+    left in the graph's memory, for `run_mixed` gathers the rows it needs at once."""
+    hidden, sels = output
+    return hidden, [_owned(sel) for sel in sels]
+
+
 @dataclass
 class GraphStats:
     replays: int = 0
@@ -191,6 +215,7 @@ class GraphStats:
     capture_seconds: float = 0.0
     eager_reasons: Counter[str] = field(default_factory=Counter)
     merged_replays: int = 0  # merged steps (several waves, one graph) replayed
+    mixed_replays: int = 0  # prefills and a beam step in one graph (`run_mixed`) replayed
 
 
 @dataclass(frozen=True)
@@ -206,14 +231,29 @@ class MergedPart:
     masks: FilterMasks | None = None  # the wave's item-filter masks (its real requests' rows)
 
 
+@dataclass(frozen=True)
+class _MixedPrefill:
+    """The prefill of a mixed step, padded to its graph's (tokens, sequences)."""
+
+    shape: tuple[int, int]
+    step: StepInput
+
+
+_MergedOutput = tuple[torch.Tensor | None, list[Selection]]
+"""A merged step's output: the prefill's hidden states (mixed steps; else None), then each
+part's selection."""
+
+
 @dataclass
 class _MergedGraph:
-    """A merged step at one `MergedShape`: one forward, then each part's selection."""
+    """A merged step at one `MergedShape`, after a prefill's tokens in a mixed step: one
+    forward, then each part's selection."""
 
     graph: torch.cuda.CUDAGraph
     attention: GraphAttention
-    output: list[Selection]
-    body: Callable[[], list[Selection]]  # the captured work, callable eagerly (tests)
+    prefill_attention: Any  # the prefill segment's graph attention (mixed steps), else None
+    output: _MergedOutput
+    body: Callable[[], _MergedOutput]  # the captured work, callable eagerly (tests)
 
 
 @dataclass
@@ -229,26 +269,30 @@ class DecodeGraphs:
     """Captured beam steps of one engine, sharing one memory pool and one set of input buffers."""
 
     def __init__(
-        self, runner: ModelRunner, selector: BeamSelector, trie: Trie, max_rows: int
-    ) -> None:
+        self, runner: ModelRunner, selector: BeamSelector, trie: Trie, max_rows: int,
+        mixed_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        """`mixed_tokens`: the most new prompt tokens of a prefill that carries a beam step
+        (`run_mixed`; 0: none)."""
         self.runner = runner
         self.selector = selector
         self.default = GraphVariant(0, trie)  # steps that name no variant
         self.max_rows = max_rows
+        self.mixed_tokens = mixed_tokens
         self.stats = GraphStats()
         # (variant, level, requests, width, filtered)
         self._graphs: dict[tuple[int, int, int, int, bool], _StepGraph] = {}
         self._failed: dict[tuple[int, int, int, int, bool], str] = {}  # why capture failed
         self._masks: dict[tuple[int, int, int], torch.Tensor] = {}  # (variant, level, width)
-        # (variant, width, shape, which parts are filtered)
+        # (variant, width, shape, which parts are filtered, mixed prefill shape or None)
         self._merged: dict[_MergedKey, _MergedGraph] = {}
         self._merged_failed: dict[_MergedKey, str] = {}
         self._pool: Any = None  # the graphs' memory pool, made by the first capture
-        dev = runner.device
+        dev, tokens = runner.device, max_rows + mixed_tokens  # a mixed step's prefill first
         with torch.inference_mode():
-            self._ids = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-            self._pos = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-            self._loc = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+            self._pos = torch.zeros(tokens, dtype=torch.int64, device=dev)
+            self._loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
             self._score = torch.zeros(max_rows, dtype=torch.float32, device=dev)
             self._node = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self._logged: set[str] = set()
@@ -268,7 +312,11 @@ class DecodeGraphs:
         if reason is not None:
             logger.info("CUDA graphs off (%s): beam steps run eagerly", reason)
             return None
-        return cls(runner, selector, trie, cfg.max_wave_rows)
+        mixed = 0  # a mixed step's prefill plans as a prefill graph does
+        prefill_graphs = getattr(runner.attn_backend, "supports_prefill_graphs", False)
+        if cfg.mixed_prefill_steps and prefill_graphs:
+            mixed = min(cfg.mixed_prefill_tokens, cfg.prefill_graph_tokens)
+        return cls(runner, selector, trie, cfg.max_wave_rows, mixed)
 
     def padded_requests(
         self, widths: list[int], sampling: bool, masks: FilterMasks | None = None
@@ -321,11 +369,42 @@ class DecodeGraphs:
         caller steps the waves alone). `suffix_width`: the most own slots a row carries
         (depth - 1). `replay=False` runs the same work eagerly on the same buffers (captured
         or not: the reference a replay must equal; tests)."""
+        out = self._run_merged(parts, suffix_width, variant, replay, None)
+        return None if out is None else out[1]
+
+    def run_mixed(
+        self, prefill: StepInput, last: torch.Tensor, parts: Sequence[MergedPart],
+        suffix_width: int, variant: GraphVariant | None, replay: bool = True,
+    ) -> tuple[torch.Tensor, list[Selection]] | None:  # fmt: skip
+        """An admitted wave's prefill and one beam step of the waves `parts` in one replay:
+        one forward over the prefill's tokens (padded to a mixed shape, `mixed_prefill_shape`)
+        and then the parts' rows, each segment's attention planned as if alone
+        (attention/segments.py), then each part's selection as `run_merged` does. The weights
+        are read once for both (docs/architecture.md, "The latency tail under load"). Returns
+        the hidden states at the prefill's token positions `last` (device indices) and each
+        part's selection; None when the prefill has no mixed shape or the capture failed
+        (the caller runs them apart). `replay=False` as in `run_merged`."""
+        tokens, requests = prefill.input_ids.numel(), prefill.qo_indptr.numel() - 1
+        shape = mixed_prefill_shape(tokens, requests, self.mixed_tokens)
+        if shape is None:
+            return None
+        padded = _MixedPrefill(shape, pad_prefill(prefill, *shape))
+        out = self._run_merged(parts, suffix_width, variant, replay, padded)
+        if out is None:
+            return None
+        hidden, sels = out
+        assert hidden is not None, "a mixed step returns its prefill's hidden states"
+        return hidden[last], sels
+
+    def _run_merged(
+        self, parts: Sequence[MergedPart], suffix_width: int, variant: GraphVariant | None,
+        replay: bool, prefill: _MixedPrefill | None,
+    ) -> _MergedOutput | None:  # fmt: skip
         variant = variant or self.default
         width = parts[0].layout.max_width
         shape = tuple((p.level, p.layout.widths.numel()) for p in parts)
         filtered = tuple(p.masks is not None for p in parts)
-        key = (variant.key, width, shape, filtered)
+        key = (variant.key, width, shape, filtered, prefill.shape if prefill else None)
         if key in self._merged_failed:
             return None
         filtered_levels = [p.level for p in parts if p.masks is not None]
@@ -334,7 +413,11 @@ class DecodeGraphs:
         step = concat_beam_steps([p.step for p in parts])
         graph = self._merged.get(key)
         with torch.inference_mode():
-            self._copy_inputs(step)
+            start = 0
+            if prefill is not None:
+                self._copy_inputs(prefill.step)
+                start = prefill.shape[0]
+            self._copy_inputs(step, start)
             start = 0
             for p in parts:
                 end = start + p.layout.num_rows
@@ -347,22 +430,30 @@ class DecodeGraphs:
                 for p in parts
             ]  # fmt: skip
             if graph is None and not replay:  # the eager reference of a shape not captured
-                _, body = self._merged_body(shape, step, parts, masks, variant.trie, suffix_width)
-                return [_owned(sel) for sel in body()]
+                *_, body = self._merged_body(
+                    shape, step, parts, masks, variant.trie, suffix_width, prefill
+                )
+                return _owned_output(body())
             if graph is None:
                 try:
                     graph = self._capture_merged(
-                        key, step, parts, masks, variant.trie, suffix_width
+                        key, step, parts, masks, variant.trie, suffix_width, prefill
                     )
                 except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, limits
-                    why = f"capture of merged step {shape} x {width} failed: {exc}"
+                    mixed = f" after a {prefill.shape} prefill" if prefill else ""
+                    why = f"capture of merged step {shape} x {width}{mixed} failed: {exc}"
                     self._merged_failed[key] = why
-                    self._log_once(f"these waves step alone: {why}")
+                    self._log_once(f"these waves step apart: {why}")
                     return None
             else:
                 self.runner.attn_backend.plan(step, graph=graph.attention)
-            self.stats.merged_replays += replay
-            return [_owned(sel) for sel in _execute(graph, replay)]
+                if prefill is not None:
+                    self.runner.attn_backend.plan(prefill.step, graph=graph.prefill_attention)
+            if prefill is None:
+                self.stats.merged_replays += replay
+            else:
+                self.stats.mixed_replays += replay
+            return _owned_output(_execute(graph, replay))
 
     def capture_merged(
         self, width: int, shapes: Sequence[MergedShape], suffix_width: int,
@@ -373,72 +464,117 @@ class DecodeGraphs:
         them (the server's warm-up). With `filters` (masks of no request, the catalog's level
         sizes) each shape is captured a second time with every wave filtered: traffic whose
         requests mostly carry filters merges too (waves mixing the two capture on first use)."""
-        dev, key = self.runner.device, (variant or self.default).key
+        key = (variant or self.default).key
         for shape in shapes:
             for masks in [None] + ([filters] if filters is not None else []):
-                if (key, width, shape, (masks is not None,) * len(shape)) in self._merged:
+                if (key, width, shape, (masks is not None,) * len(shape), None) in self._merged:
                     continue
-                parts = []
-                for level, count in shape:
-                    layout = BeamLayout.create([width] * count, dev)
-                    rows = layout.num_rows
-                    score = torch.full((rows,), NEG_INF, dtype=torch.float32, device=dev)
-                    node = torch.zeros(rows, dtype=torch.int64, device=dev)
-                    step = pad_requests_step(count, width, dev)
-                    parts.append(MergedPart(level, step, score, node, layout, masks))
-                self.run_merged(parts, suffix_width, variant)
+                self.run_merged(self._pad_parts(width, shape, masks), suffix_width, variant)
 
-    def _copy_inputs(self, step: StepInput) -> None:
-        rows = step.input_ids.numel()
-        self._ids[:rows].copy_(step.input_ids, non_blocking=True)
-        self._pos[:rows].copy_(step.positions, non_blocking=True)
-        self._loc[:rows].copy_(step.out_cache_loc, non_blocking=True)
+    def capture_mixed(
+        self, width: int, shapes: Sequence[MergedShape], suffix_width: int,
+        variant: GraphVariant | None = None,
+    ) -> int:  # fmt: skip
+        """Capture the mixed graphs (`run_mixed`) of every mixed prefill bucket with each of
+        the step `shapes` at `width`, from a prefill of pad sequences and waves of pad
+        requests, largest first (the graphs share one memory pool, see `warm_counts` in
+        server/warmup.py); how many were captured. Filtered waves' mixed graphs capture on
+        first use."""
+        key, done = (variant or self.default).key, 0
+        by_rows = sorted(shapes, key=lambda shape: -sum(count for _, count in shape))
+        for tokens in reversed(mixed_token_buckets(self.mixed_tokens) if self.mixed_tokens else []):
+            prefill = pad_prefill(empty_prefill(), tokens, MIXED_SEQUENCES)
+            for shape in by_rows:
+                mixed = (tokens, MIXED_SEQUENCES)
+                if (key, width, shape, (False,) * len(shape), mixed) in self._merged:
+                    continue
+                parts = self._pad_parts(width, shape, None)
+                done += self._run_merged(
+                    parts, suffix_width, variant, True, _MixedPrefill(mixed, prefill)
+                ) is not None  # fmt: skip
+        return done
+
+    def _pad_parts(
+        self, width: int, shape: MergedShape, masks: FilterMasks | None
+    ) -> list[MergedPart]:
+        """Waves of pad requests (dead beams: they read and write only the pad slot) of
+        `shape`, to capture a graph from."""
+        dev, parts = self.runner.device, []
+        for level, count in shape:
+            layout = BeamLayout.create([width] * count, dev)
+            rows = layout.num_rows
+            score = torch.full((rows,), NEG_INF, dtype=torch.float32, device=dev)
+            node = torch.zeros(rows, dtype=torch.int64, device=dev)
+            step = pad_requests_step(count, width, dev)
+            parts.append(MergedPart(level, step, score, node, layout, masks))
+        return parts
+
+    def _copy_inputs(self, step: StepInput, start: int = 0) -> None:
+        """The step's tokens, positions and slots into the input buffers from row `start`."""
+        end = start + step.input_ids.numel()
+        self._ids[start:end].copy_(step.input_ids, non_blocking=True)
+        self._pos[start:end].copy_(step.positions, non_blocking=True)
+        self._loc[start:end].copy_(step.out_cache_loc, non_blocking=True)
 
     def _merged_body(
         self, shape: MergedShape, step: StepInput, parts: Sequence[MergedPart],
         masks: Sequence[FilterMasks | None], trie: Trie, suffix_width: int,
-    ) -> tuple[GraphAttention, Callable[[], list[Selection]]]:  # fmt: skip
-        """A merged step's work on the graph buffers: its attention (planned for `step`) and
-        the closure a capture records (a forward over every part's rows, then each part's
-        selection on its slice, filtered parts through their mask buffers `masks`)."""
+        prefill: _MixedPrefill | None,
+    ) -> tuple[GraphAttention, Any, Callable[[], _MergedOutput]]:  # fmt: skip
+        """A merged step's work on the graph buffers: its attention (planned for `step`), its
+        prefill's (a mixed step; planned for `prefill.step`, else None) and the closure a
+        capture records: a forward over the prefill's tokens, if any, then every part's rows,
+        then each part's selection on its slice, filtered parts through their mask buffers
+        `masks`."""
+        backend = self.runner.attn_backend
         num_requests = sum(count for _, count in shape)
         rows = step.input_ids.numel()
-        attention = self.runner.attn_backend.graph_attention(
-            num_requests, rows, suffix_width=suffix_width
-        )
-        metadata = self.runner.attn_backend.plan(step, graph=attention)
-        bounds = list(itertools.accumulate((p.layout.num_rows for p in parts), initial=0))
+        attention = backend.graph_attention(num_requests, rows, suffix_width=suffix_width)
+        metadata = backend.plan(step, graph=attention)
+        tokens, prefill_attention, segments = 0, None, None
+        if prefill is not None:  # the prefill's tokens first, then the step's rows
+            tokens, sequences = prefill.shape
+            prefill_attention = backend.prefill_graph_attention(sequences, tokens)
+            plans = (backend.plan(prefill.step, graph=prefill_attention), metadata)
+            metadata = SegmentPlans((0, tokens, tokens + rows), plans)
+            segments = SegmentedAttention(backend)
+        bounds = list(itertools.accumulate((p.layout.num_rows for p in parts), initial=tokens))
         shares = [
-            (p.level, p.layout, m, a, b)
+            (p.level, p.layout, m, a, b, a - tokens, b - tokens)
             for p, m, a, b in zip(parts, masks, bounds, bounds[1:])
         ]  # fmt: skip
+        total = tokens + rows
 
-        def body() -> list[Selection]:
+        def body() -> _MergedOutput:
             hidden = self.runner.forward_batch(
-                self._ids[:rows], self._pos[:rows], self._loc[:rows], metadata
+                self._ids[:total], self._pos[:total], self._loc[:total], metadata, segments
             )
-            return [
+            return (hidden[:tokens] if tokens else None), [
                 self.selector.select(
-                    trie, level, hidden[a:b], self._score[a:b], self._node[a:b], layout,
+                    trie, level, hidden[a:b], self._score[i:j], self._node[i:j], layout,
                     layout, None, m,
                 )
-                for level, layout, m, a, b in shares
+                for level, layout, m, a, b, i, j in shares
             ]  # fmt: skip
 
-        return attention, body
+        return attention, prefill_attention, body
 
     def _capture_merged(
         self, key: _MergedKey, step: StepInput, parts: Sequence[MergedPart],
         masks: Sequence[FilterMasks | None], trie: Trie, suffix_width: int,
+        prefill: _MixedPrefill | None,
     ) -> _MergedGraph:  # fmt: skip
-        _, width, shape, filtered = key
+        _, width, shape, filtered, mixed = key
         start = time.perf_counter()
-        attention, body = self._merged_body(shape, step, parts, masks, trie, suffix_width)
+        attention, prefill_attention, body = self._merged_body(
+            shape, step, parts, masks, trie, suffix_width, prefill
+        )
         graph, outputs = record_graph(body, self._graph_pool())
-        captured = _MergedGraph(graph, attention, outputs, body)
+        captured = _MergedGraph(graph, attention, prefill_attention, outputs, body)
         self._merged[key] = captured
         note = f", filtered {filtered}" if any(filtered) else ""
-        self._note_capture(start, f"merged beam step: (level, requests) {shape} x {width}{note}")
+        what = "merged beam step" if mixed is None else f"mixed step: a {mixed} prefill, beam step"
+        self._note_capture(start, f"{what}: (level, requests) {shape} x {width}{note}")
         return captured
 
     def _graph_pool(self) -> Any:

@@ -33,7 +33,6 @@ import torch
 from tqdm import tqdm
 
 from flashrec_core.attention.step import StepInput
-from flashrec_core.engine.cuda_graph import record_graph
 from flashrec_core.kvcache.pool import KVPool
 
 if TYPE_CHECKING:
@@ -87,6 +86,34 @@ def prefill_shape(tokens: int, requests: int, buckets: list[int]) -> tuple[int, 
     return None
 
 
+MIXED_SEQUENCES = 3
+"""The sequence count of every mixed graph's prefill (engine/cuda_graph.py `run_mixed`): one or
+two requests and at least one pad sequence. A lightly loaded server admits one or two requests
+an iteration, and that is where a prefill's forward carrying the beam steps cuts an iteration
+most; larger admissions prefill apart, through the prefill graphs."""
+MIXED_MIN_TOKENS = 512
+"""A mixed graph's smallest token bucket: below about 512 rows a forward reads the weights for
+the same time whatever its rows (docs/benchmarks.md, session 22: an H100's FP8 GEMMs take 1.88
+ms at 50 rows, 2.25 at 512), so shorter prefills pad to it and a few shapes serve them all."""
+
+
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """The token buckets of mixed graphs' prefills up to `max_tokens`
+    (`EngineConfig.mixed_prefill_tokens`)."""
+    buckets = token_buckets(max_tokens)
+    return [t for t in buckets if t >= MIXED_MIN_TOKENS] or buckets[-1:]
+
+
+def mixed_prefill_shape(tokens: int, requests: int, max_tokens: int) -> tuple[int, int] | None:
+    """(T, B) of the mixed graph a prefill of `tokens` new tokens from `requests` requests
+    rides in, or None (it prefills apart)."""
+    if requests >= MIXED_SEQUENCES:
+        return None
+    need = tokens + MIXED_SEQUENCES - requests
+    fits = [t for t in mixed_token_buckets(max_tokens) if t >= need]
+    return (fits[0], MIXED_SEQUENCES) if fits else None
+
+
 def pad_prefill(step: StepInput, tokens: int, sequences: int) -> StepInput:
     """`step` grown to `tokens` tokens in `sequences` sequences by pad sequences over the pad
     slot (see the module docstring); the real sequences keep their tokens, rows and indices.
@@ -115,6 +142,17 @@ def pad_prefill(step: StepInput, tokens: int, sequences: int) -> StepInput:
         kv_indptr=grown(step.kv_indptr, kv[-1] + ends),
         kv_indices=grown(step.flat_kv_indices(), pad_slots),
     )
+
+
+def empty_prefill() -> StepInput:
+    """A prefill of no sequence: `pad_prefill` grows it into pad sequences only, what a warm-up
+    captures a shape from."""
+    none = torch.zeros(0, dtype=torch.int64)
+    start = torch.zeros(1, dtype=torch.int64)
+    return StepInput(
+        input_ids=none, positions=none, out_cache_loc=none, qo_indptr=start, kv_indptr=start,
+        kv_indices=none,
+    )  # fmt: skip
 
 
 @dataclass
@@ -186,15 +224,10 @@ class PrefillGraphs:
         """Capture every shape not captured yet, largest first (the server's warm-up), over pad
         sequences only; returns how many were captured."""
         todo = [s for s in self.shapes() if s not in self._graphs and s not in self.stats.failed]
-        empty = StepInput(
-            input_ids=torch.zeros(0, dtype=torch.int64), positions=torch.zeros(0, dtype=torch.int64),
-            out_cache_loc=torch.zeros(0, dtype=torch.int64), qo_indptr=torch.zeros(1, dtype=torch.int64),
-            kv_indptr=torch.zeros(1, dtype=torch.int64), kv_indices=torch.zeros(0, dtype=torch.int64),
-        )  # fmt: skip
         for tokens, sequences in tqdm(
             todo, desc="prefill graphs", unit="graph", disable=not progress
         ):
-            self._graph((tokens, sequences), pad_prefill(empty, tokens, sequences))
+            self._graph((tokens, sequences), pad_prefill(empty_prefill(), tokens, sequences))
         return len(todo)
 
     @torch.inference_mode()  # the graph buffers (also the decode graphs') are inference tensors
@@ -234,6 +267,8 @@ class PrefillGraphs:
             return None
 
     def _capture(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph:
+        from flashrec_core.engine.cuda_graph import record_graph  # it imports this module
+
         tokens, sequences = shape
         start = time.perf_counter()
         # Wrappers per shape, sized by a plan of its own token count (a graph-mode plan fixes

@@ -50,11 +50,14 @@ def warm_up(
     prefill = engine.wave.prefill_graphs
     if prefill is not None and versions is None:
         engine.loop.call(lambda: prefill.capture_all(progress))  # on the engine thread
-    _capture_merged_steps(engine, [(request.n, request.catalog) for request, counts in plan])
+    planned = [(request.n, request.catalog) for request, counts in plan]
+    _capture_step_graphs(engine, planned, "merged beam-step", engine.wave.capture_merged_steps)
     waves = sum(len(counts) for _, counts in plan)
     with tqdm(total=waves, desc="warm-up", unit="wave", disable=not (waves and progress)) as bar:
         for request, counts in plan:
             warm_ladder(engine, request, counts, bar.update)
+    # after the ladder: they are smaller than its largest waves' graphs (`warm_counts`)
+    _capture_step_graphs(engine, planned, "mixed prefill-step", engine.wave.capture_mixed_steps)
     return waves
 
 
@@ -84,22 +87,23 @@ def warm_ladder(
         done()
 
 
-def _capture_merged_steps(
-    engine: Engine, planned: Sequence[tuple[int, CatalogVersion | None]]
-) -> None:
-    """With merged beam steps on graphs: the merged step graphs of every width on every catalog
-    version planned (which shapes depends on how many waves are in flight and at which levels,
-    which warm-up waves run one at a time never produce), on the engine thread."""
-    done, shapes = set(), 0
+def _capture_step_graphs(
+    engine: Engine, planned: Sequence[tuple[int, CatalogVersion | None]], what: str,
+    capture: Callable[[int, CatalogVersion | None], int],
+) -> None:  # fmt: skip
+    """With merged beam steps on graphs: `capture(n, version)`, the merged step graphs
+    (`BeamWave.capture_merged_steps`) or the mixed graphs of a prefill carrying beam steps
+    (`capture_mixed_steps`), of every width on every catalog version planned, on the engine
+    thread. Which shapes traffic meets depends on how many waves are in flight and at which
+    levels, which warm-up waves run one at a time never produce."""
+    done, graphs = set(), 0
     for n, version in planned:
         key = (n, version.version if version is not None else None)
         if key not in done:
             done.add(key)
-            shapes += engine.loop.call(
-                lambda n=n, version=version: engine.wave.capture_merged_steps(n, version)
-            )
-    if shapes:
-        logger.info("warm-up: %d merged beam-step graphs captured for n=%s", shapes,
+            graphs += engine.loop.call(lambda n=n, version=version: capture(n, version))
+    if graphs:
+        logger.info("warm-up: %d %s graphs captured for n=%s", graphs, what,
                     sorted({n for n, _ in done}))  # fmt: skip
 
 

@@ -125,21 +125,26 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
 
 
 @pytest.mark.parametrize(
-    ("flags", "graphs", "mixed"),
-    [((), True, True), (("--no-mixed-prefill-steps",), True, False),
-     (("--no-graphs",), False, True), (("--no-graphs", "--no-mixed-prefill-steps"), False, False)],
+    ("flags", "graphs", "mixed", "tokens"),
+    [((), True, True, 2048), (("--no-mixed-prefill-steps",), True, False, 2048),
+     (("--no-graphs",), False, True, 2048),
+     (("--no-graphs", "--no-mixed-prefill-steps"), False, False, 2048),
+     (("--mixed-prefill-tokens", "4096"), True, True, 4096)],
 )  # fmt: skip
 def test_bench_engine_takes_graphs_and_mixed_prefills(
-    flags: tuple[str, ...], graphs: bool, mixed: bool
+    flags: tuple[str, ...], graphs: bool, mixed: bool, tokens: int
 ) -> None:
-    """`bench --engine --no-graphs` runs the engine without CUDA graphs, where mixed prefills
-    apply, so their A/B is `--no-mixed-prefill-steps` beside it; generate takes the flag too."""
+    """`bench --engine` takes `--[no-]mixed-prefill-steps`, `--mixed-prefill-tokens` and
+    `--no-graphs` (CUDA graphs off, where mixed prefills run eagerly); generate takes the
+    mixed-prefill flags too."""
     from flashrec_core.cli import _bench_engine_settings, _build_parser, engine_fields
     from flashrec_core.config import EngineConfig
 
     args = _build_parser().parse_args(["bench", "--engine", "/m", *flags])
     cfg = EngineConfig(model_path="/m", **_bench_engine_settings(args))
-    assert (cfg.cuda_graphs, cfg.mixed_prefill_steps) == (graphs, mixed)
+    got = (cfg.cuda_graphs, cfg.mixed_prefill_steps, cfg.mixed_prefill_tokens)
+    assert got == (graphs, mixed, tokens)
     gen = [f for f in flags if f != "--no-graphs"]
     args = _build_parser().parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *gen])
-    assert EngineConfig(**engine_fields(args)).mixed_prefill_steps == mixed
+    cfg = EngineConfig(**engine_fields(args))
+    assert (cfg.mixed_prefill_steps, cfg.mixed_prefill_tokens) == (mixed, tokens)

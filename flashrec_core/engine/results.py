@@ -35,6 +35,10 @@ class HostBeams:
     path_scores: torch.Tensor
     copied: torch.cuda.Event | None  # recorded after the copies on CUDA; None: on the host
 
+    def ready(self) -> bool:
+        """Whether the copies have landed (reading `arrays()` would not wait)."""
+        return self.copied is None or self.copied.query()
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The two as numpy arrays, once the copies have landed."""
         if self.copied is not None:

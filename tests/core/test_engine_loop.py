@@ -113,6 +113,45 @@ def test_an_admitted_prefill_carries_the_step_of_the_wave_in_flight(engine: Engi
     assert_idle(engine)
 
 
+def test_results_copying_behind_a_mixed_forward_wait_one_iteration(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wave whose last step ran in the admission's mixed forward, and whose beams' copy to
+    the host has not landed by the end of that iteration, is delivered at the end of the next
+    one (on CUDA its copy is queued behind the whole mixed forward, and waiting would idle the
+    GPU while the host prepares the next iteration), waiting for the copy then. A wave that
+    finished in the step phase is delivered at once, waiting for its copy (queued before the
+    admission's prefill). On the CPU a copy is done at once: here every copy reports itself
+    still running, so only those rules deliver."""
+    from flashrec_core.engine import loop as loop_module
+    from flashrec_core.engine.results import HostBeams
+
+    class StillCopying(HostBeams):
+        def ready(self) -> bool:
+            return False
+
+    real = loop_module.copy_to_host
+
+    def copy_still_running(out):  # type: ignore[no-untyped-def]
+        beams = real(out)
+        return StillCopying(beams.codes_nodes, beams.path_scores, beams.copied)
+
+    monkeypatch.setattr(loop_module, "copy_to_host", copy_still_running)
+    loop = engine.loop
+    handles = []
+    for prompt in ("w41 w42 w43", "w44 w45", "w46 w47 w48 w49"):
+        handles.append(loop.submit(engine.make_request(prompt=prompt, n=4)))
+        loop.run_once()  # each wave one level ahead of the next
+    first, second, third = handles
+    assert loop.stats().mixed_forwards >= 2, "first's last step rode in third's prefill"
+    assert not first.future.done(), "delivered while its copy ran and other work was queued"
+    loop.run_once()  # nothing queued, no mixing: second's last step in the step phase
+    assert first.future.done(), "one iteration late at most"
+    assert second.future.done(), "a wave finished in the step phase waits for its copy"
+    _finish_and_compare_alone(engine, handles)
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize(
     ("fields", "why"),
     [({"mixed_prefill_steps": False}, "turned off"),

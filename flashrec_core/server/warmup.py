@@ -1,7 +1,8 @@
 """Warm-up before /ready and before a reloaded catalog is swapped in: run each configured beam
 width once at every request count the CUDA graphs are captured for, unfiltered and (with a
 catalog) filtered, for each catalog version, so traffic replays graphs instead of capturing them
-(and with merged beam steps, the graphs of small waves stepping together, `merged_shapes`).
+(and with merged beam steps, the graphs of small waves stepping together, `merged_shapes`, and
+of a small prefill carrying their step, `capture_mixed_steps`).
 The waves go through the engine loop like any request, so a reload's warm-up interleaves with
 live traffic. Prefill graphs do not depend on the catalog: the first warm-up captures them all.
 On CPU, where there are no graphs, one request per width."""

@@ -224,12 +224,17 @@ class BeamWave:
         the last forward (`state.level` is then 1). On any error (a pool too small, say)
         everything taken so far is handed back before the error propagates."""
         state = self._allocated_wave(requests)
+        self.prefill_or_release(state, token_budget)
+        return state
+
+    def prefill_or_release(self, state: WaveState, token_budget: int | None = None) -> None:
+        """`prefill_some`; on any error the wave's KV is handed back before the error
+        propagates (`begin`, and the prefill `begin_mixed` left to its caller)."""
         try:
             self.prefill_some(state, token_budget)
         except BaseException:
             self.release(state, False)
             raise
-        return state
 
     def _allocated_wave(self, requests: list[GenerationRequest]) -> WaveState:
         """A new wave bound to its catalog version, its KV allocated and its prefill forwards
@@ -435,10 +440,13 @@ class BeamWave:
         self, requests: list[GenerationRequest], beside: Sequence[WaveState]
     ) -> tuple[WaveState, bool]:
         """`begin` (the whole prefill), with one beam step of every wave in `beside` through
-        the prefill's forward when that is one forward (`ModelRunner.forward_segments`): the
-        weights are read once for both. Returns the new wave and whether `beside` stepped; a
-        prefill of several forwards runs alone and the caller steps `beside`. On an error the
-        new wave's KV is handed back and none of `beside` has stepped."""
+        the prefill's forward when that is one forward (`ModelRunner.forward_segments`, or a
+        mixed graph, `DecodeGraphs.run_mixed`): the weights are read once for both. Returns
+        the new wave and whether `beside` stepped. When they did not (a prefill of several
+        forwards, or no graph for this mix), nothing has run: the caller steps `beside` first,
+        so that their step and their finished beams' copies are queued before the prefill,
+        then runs it (`prefill_or_release`). On an error the new wave's KV is handed back and
+        none of `beside` has stepped."""
         state = self._allocated_wave(requests)
         try:
             progress = state.prefill
@@ -449,7 +457,6 @@ class BeamWave:
                 last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
                 mixed = self._mixed_forward(prefill, last, beside)
             if mixed is None:  # several forwards, or no graph for this mix: apart
-                self.prefill_some(state)
                 return state, False
             first, parts, sels = mixed
             progress.chunks.popleft()

@@ -420,8 +420,8 @@ class EngineLoop:
 
     def _admit(self, now: float, beside: list[_Wave]) -> None:
         """Admit a wave; the waves `beside` (a step group, or none) take their beam step in its
-        prefill's forward, or on their own when no wave is admitted or its prefill is not one
-        forward."""
+        prefill's forward, or on their own (before that prefill) when no wave is admitted or
+        the prefill cannot carry them."""
         if not self._admit_wave(now, beside) and beside:
             self._advance(beside)
 
@@ -443,20 +443,24 @@ class EngineLoop:
             h.admitted_at = admitted
         budget = self.prefill_tokens_per_step if self._waves else None
         self._admit_started, self._prefill_spent_s = now, 0.0
-        requests, stepped = [h.request for h in handles], False
+        requests, mixed, apart = [h.request for h in handles], False, False
         try:
             if beside:
-                state, stepped = self.wave.begin_mixed(requests, [w.state for w in beside])
+                state, mixed = self.wave.begin_mixed(requests, [w.state for w in beside])
+                if not mixed:  # nothing ran: their step first, as in the step phase, so
+                    self._advance(beside)  # their copies are not queued behind the prefill
+                    apart = True
+                    self.wave.prefill_or_release(state)
             else:
                 state = self.wave.begin(requests, budget)
-        except BaseException as exc:  # none of `beside` stepped (BeamWave.begin_mixed)
+        except BaseException as exc:  # the new wave's KV is handed back (BeamWave.begin_mixed)
             self._prefill_failed(handles, exc)
-            return False
-        if stepped:
+            return apart
+        if mixed:
             self._mixed_forwards += 1
             self._stepped(beside, behind_admission=True)
         self._prefilled(_Wave(state, handles), now)
-        return stepped
+        return mixed or apart
 
     def _prefill(self, wave: _Wave, now: float) -> None:
         """The next piece of a wave's prefill (chunked prefill, module docstring); alone, with

@@ -158,19 +158,35 @@ def test_results_copying_behind_a_mixed_forward_wait_one_iteration(
      ({"prefill_chunk_tokens": 4}, "a prefill of several forwards")],
 )  # fmt: skip
 def test_a_prefill_that_cannot_carry_steps_runs_apart(
-    checkpoint: Path, fields: dict, why: str
+    checkpoint: Path, fields: dict, why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Off, or when the admitted prefill takes several forwards, the wave in flight steps in
-    its own forward; the answers are the same."""
+    its own forward, before the prefill (on CUDA its step and its finished beams' copy would
+    otherwise queue behind the prefill); the answers are the same."""
     engine = make_engine(checkpoint, **fields)
-    loop = engine.loop
+    loop, wave = engine.loop, engine.wave
+    order: list[str] = []
+    real_step, real_prefill = wave.advance_together, wave.prefill_some
+
+    def step(states):  # type: ignore[no-untyped-def]
+        order.append("step")
+        return real_step(states)
+
+    def prefill(state, token_budget=None):  # type: ignore[no-untyped-def]
+        order.append("prefill")
+        return real_prefill(state, token_budget)
+
+    monkeypatch.setattr(wave, "advance_together", step)
+    monkeypatch.setattr(wave, "prefill_some", prefill)
     requests = [engine.make_request(prompt="w1 w2 w3", n=8),
                 engine.make_request(prompt=LONG_PROMPT, n=4)]  # fmt: skip
     before = loop.stats()
     first = loop.submit(requests[0])
     loop.run_once()
     second = loop.submit(requests[1])
+    order.clear()
     loop.run_once()
+    assert order == ["step", "prefill"], why
     after = loop.stats()
     assert after.mixed_forwards == before.mixed_forwards, why
     assert after.beam_steps == before.beam_steps + 1

@@ -253,14 +253,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mixed-prefill-steps", action=argparse.BooleanOptionalAction, default=True,
         help="run an admitted wave's prefill and the beam steps of waves in flight as one "
-        "model forward (each step's attention apart); with CUDA graphs, through graphs of "
-        "mixed steps for prefills of one or two requests (--mixed-prefill-tokens). Default: on",
+        "model forward (each step's attention apart); with CUDA graphs only where "
+        "--mixed-prefill-tokens is set. Default: on",
     )  # fmt: skip
     p.add_argument(
-        "--mixed-prefill-tokens", type=int, default=2048, metavar="T",
-        help="with CUDA graphs, the most new prompt tokens of a prefill that carries beam "
-        "steps (mixed graphs per prefill bucket 512, 1024, ... up to T); 0: mix only where "
-        "forwards run eagerly (default: 2048)",
+        "--mixed-prefill-tokens", type=int, default=0, metavar="T",
+        help="with CUDA graphs, the most new prompt tokens of a prefill (of one or two "
+        "requests) that carries beam steps, through mixed graphs per prefill bucket 512, "
+        "1024, ... up to T (default 0: mix only where forwards run eagerly; slower on an "
+        "H100 with 1,024-token prompts, docs/benchmarks.md session 29)",
     )  # fmt: skip
     add_beam_attention_args(p)
     p.add_argument(

@@ -93,13 +93,16 @@ class EngineConfig(BaseModel):
     (`ModelRunner.forward_segments`): the weights are read once per iteration, not once for
     the prefill and again for the steps (docs/architecture.md, "The latency tail under load").
     Applies to a prefill of one forward without chunked prefill (`prefill_tokens_per_step`):
-    eagerly where both run eagerly (e.g. on CPU), and with CUDA graphs through graphs of
-    mixed steps (engine/cuda_graph.py `run_mixed`: merged steps on graphs, a prefill of one
-    or two requests and at most `mixed_prefill_tokens` new tokens)."""
-    mixed_prefill_tokens: int = Field(default=2048, ge=0)
+    eagerly where both run eagerly (e.g. on CPU), and with CUDA graphs only when
+    `mixed_prefill_tokens` is set (engine/cuda_graph.py `run_mixed`)."""
+    mixed_prefill_tokens: int = Field(default=0, ge=0)
     """With CUDA graphs, the most new prompt tokens of a prefill that carries beam steps
-    (`mixed_prefill_steps`); mixed graphs are captured per prefill bucket (512, 1024, 2048, ...
-    up to this) and step shape. 0: mixing only where forwards run eagerly."""
+    (`mixed_prefill_steps`: a prefill of one or two requests beside waves that step in a
+    merged graph); mixed graphs are captured per prefill bucket (512, 1024, 2048, ... up to
+    this) and step shape. 0 (the default): mixing only where forwards run eagerly. Off by
+    default because on an H100 with 1,024-token prompts it lengthened the 0.7x tail (p50 63
+    against 48 ms, p99 245 against 133; docs/benchmarks.md, session 29): a 1,024-token
+    prefill is compute-bound, so the steps' rows cost as much inside it as apart."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose

@@ -126,10 +126,10 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
 
 @pytest.mark.parametrize(
     ("flags", "graphs", "mixed", "tokens"),
-    [((), True, True, 2048), (("--no-mixed-prefill-steps",), True, False, 2048),
-     (("--no-graphs",), False, True, 2048),
-     (("--no-graphs", "--no-mixed-prefill-steps"), False, False, 2048),
-     (("--mixed-prefill-tokens", "4096"), True, True, 4096)],
+    [((), True, True, 0), (("--no-mixed-prefill-steps",), True, False, 0),
+     (("--no-graphs",), False, True, 0),
+     (("--no-graphs", "--no-mixed-prefill-steps"), False, False, 0),
+     (("--mixed-prefill-tokens", "2048"), True, True, 2048)],
 )  # fmt: skip
 def test_bench_engine_takes_graphs_and_mixed_prefills(
     flags: tuple[str, ...], graphs: bool, mixed: bool, tokens: int

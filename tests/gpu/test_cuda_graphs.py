@@ -306,8 +306,8 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
     """Requests joining every iteration (waves at levels 1 and 2 in flight): greedy waves,
     filtered ones (an exclude list, an allow list) and a sampled one (it steps alone). Waves in
     flight together replay merged step graphs (greedy with greedy, greedy with filtered,
-    filtered with filtered), mostly inside the next request's prefill (a mixed graph: a request
-    is queued at every admission); every returned beam scores as fp32 transformers scores it (a
+    filtered with filtered; with `mixed_prefill_tokens` set, inside the next request's prefill:
+    mixed graphs); every returned beam scores as fp32 transformers scores it (a
     wrong slot, level or row offset gives whole nats) and keeps to its request's filter (a
     mask buffer read wrong lets other items through)."""
     engine, hf = merged_engine_and_hf

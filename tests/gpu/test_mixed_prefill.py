@@ -29,7 +29,9 @@ BEAM_TOL = 0.05
 (tests/core/test_merged_steps.py)."""
 
 
-def _engine(tmp_path_factory: pytest.TempPathFactory, cuda_graphs: bool) -> Engine:
+def _engine(
+    tmp_path_factory: pytest.TempPathFactory, cuda_graphs: bool, mixed_prefill_tokens: int = 0
+) -> Engine:
     """The GPU tier's tiny Qwen3 (head_dim 64: FlashInfer, which one-query prefills of a cached
     prompt still take, has no kernels for the CPU tier's 16)."""
     path = tmp_path_factory.mktemp("mixed-gpu")
@@ -39,7 +41,7 @@ def _engine(tmp_path_factory: pytest.TempPathFactory, cuda_graphs: bool) -> Engi
     cfg = EngineConfig(
         model_path=str(path), device="cuda", dtype="bfloat16", quantization="none",
         kv_cache_dtype="bfloat16", kv_cache_tokens=1 << 14, cuda_graphs=cuda_graphs,
-        show_progress=False,
+        mixed_prefill_tokens=mixed_prefill_tokens, show_progress=False,
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
 
@@ -51,7 +53,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 @pytest.fixture(scope="module")
 def graph_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return _engine(tmp_path_factory, cuda_graphs=True)
+    """With mixed graphs (off by default with CUDA graphs: `mixed_prefill_tokens`)."""
+    return _engine(tmp_path_factory, cuda_graphs=True, mixed_prefill_tokens=2048)
 
 
 def test_the_loop_runs_eagerly_where_mixing_applies(engine: Engine) -> None:

@@ -225,6 +225,19 @@ def test_merged_steps_through_the_triton_kernel_match_separate_steps(checkpoint:
         assert_same_beams_within(dict(ranking(h.future.result())), dict(ranking(ref)), BEAM_TOL)
 
 
+def assert_each_wave_selects_on_its_rows(wave, states, parts, got, hidden, start) -> None:  # type: ignore[no-untyped-def]
+    """`got[i]` is exactly wave i's own selection (`BeamWave._select_step`) on its rows of
+    `hidden`, the waves' rows back to back from row `start`."""
+    for state, part, sel in zip(states, parts, got):
+        rows = part.beams.num_rows
+        want = wave._select_step(state, part, hidden[start : start + rows])
+        start += rows
+        for name in ("parent", "code", "node", "score"):
+            assert torch.equal(getattr(sel, name), getattr(want, name)), (
+                f"level {state.level}: {name}"
+            )
+
+
 def _graph_stack_engine(checkpoint: Path):
     """The CUDA engine's backend stack on the CPU (BF16; Triton prefill over Triton beam steps,
     interpreted, over torch; the fused FP8 paths off) with merged steps."""
@@ -359,17 +372,9 @@ def test_a_merged_graphs_work_selects_as_the_eager_merged_step(
     )
     hidden = engine.runner.forward(concat_beam_steps([p.step for p in parts]))
     assert recorded is not None and unmasked is not None and len(recorded) == 2
-    start = 0
-    for i, (state, part, got) in enumerate(zip(states, parts, recorded)):
-        rows = part.beams.num_rows
-        want = wave._select_step(state, part, hidden[start : start + rows])
-        start += rows
-        for name in ("parent", "code", "node", "score"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), (
-                f"level {state.level}: {name}"
-            )
-        if i in filtered:
-            assert not torch.equal(got.node, unmasked[i].node), "the filter changed nothing"
+    assert_each_wave_selects_on_its_rows(wave, states, parts, recorded, hidden, 0)
+    for i in filtered:
+        assert not torch.equal(recorded[i].node, unmasked[i].node), "the filter changed nothing"
     while not all(h.future.done() for h in handles):  # the waves finish; nothing leaks
         loop.run_once()
     assert_idle(engine)

@@ -18,7 +18,7 @@ from flashrec_core.engine.prefill_graph import (
 )
 from tests.core.test_engine_loop import assert_idle
 from tests.core.test_engine_loop import checkpoint as checkpoint  # noqa: F401 (fixture)
-from tests.core.test_merged_steps import _graph_stack_engine
+from tests.core.test_merged_steps import _graph_stack_engine, assert_each_wave_selects_on_its_rows
 
 
 def test_mixed_buckets_start_where_a_forward_stops_being_bound_by_its_weights() -> None:
@@ -87,15 +87,7 @@ def test_a_mixed_graphs_work_equals_the_segmented_forward_it_records(checkpoint:
     padded = pad_prefill(prefill, *shape)
     hidden = runner.forward_segments([padded, concat_beam_steps([p.step for p in parts])])
     assert torch.equal(got_hidden, hidden[last]), "the prompts' last hidden states"
-    start = shape[0]
-    for state, part, sel in zip(states, parts, got):
-        rows = part.beams.num_rows
-        want = wave._select_step(state, part, hidden[start : start + rows])
-        start += rows
-        for name in ("parent", "code", "node", "score"):
-            assert torch.equal(getattr(sel, name), getattr(want, name)), (
-                f"level {state.level}: {name}"
-            )
+    assert_each_wave_selects_on_its_rows(wave, states, parts, got, hidden, shape[0])
     for s in slots:
         runner.allocator.free(s)
     while not all(h.future.done() for h in handles):  # the waves finish; nothing leaks

@@ -447,8 +447,14 @@ class EngineLoop:
         try:
             if beside:
                 state, mixed = self.wave.begin_mixed(requests, [w.state for w in beside])
-                if not mixed:  # nothing ran: their step first, as in the step phase, so
-                    self._advance(beside)  # their copies are not queued behind the prefill
+                if not mixed:
+                    # Nothing ran: their step first, as in the step phase, so that their
+                    # finished beams' copies are not queued behind the prefill.
+                    try:
+                        self._advance(beside)  # fails only their waves on an error
+                    except BaseException:  # interrupted: the new wave's KV goes back too
+                        self.wave.release(state, False)
+                        raise
                     apart = True
                     self.wave.prefill_or_release(state)
             else:

@@ -109,6 +109,10 @@ class FlashInferAttentionBackend:
     name = "flashinfer"
     supports_graphs = True
     supports_prefill_graphs = True
+    head_dims = (64, 128, 256)
+    """The head dims FlashInfer 0.6's prefill and decode kernels are built for; a model of
+    another (the embedded demo model's 16) leaves every step to the Triton kernels
+    (`TritonPrefillAttention` takes its one-query prefills too)."""
 
     def __init__(
         self,

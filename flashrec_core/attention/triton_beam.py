@@ -75,6 +75,8 @@ class TritonBeamAttention:
         self.device = device
         self.supports_graphs = device.type == "cuda"
         self.supports_prefill_graphs = getattr(inner, "supports_prefill_graphs", False)
+        self.head_dims: tuple[int, ...] | None = getattr(inner, "head_dims", None)
+        """The wrapped backend's (the steps this wrapper passes on run there)."""
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
         self.limits = (max_rows, max_prompt_slots, max_suffix)
         self._graph_buffers: tuple[dict[str, torch.Tensor], ...] | None = None

@@ -10,7 +10,9 @@ path prefilled it.
 
 Selected by `EngineConfig.prefill_attention`. Wraps any backend, the Triton beam wrapper
 included: steps with a `SharedPrefix` (beam steps) and one-query-per-sequence steps go to
-`inner`. Per-layer specs: the kernel applies each layer's soft-cap and sliding window itself, so
+`inner`, unless `inner` has no kernels for the model's head dim (`head_dims`, FlashInfer's:
+the embedded model's 16), when this kernel takes the one-query steps too (a fully cached
+prompt's last token, say). Per-layer specs: the kernel applies each layer's soft-cap and sliding window itself, so
 one plan serves every layer group.
 """
 
@@ -64,6 +66,9 @@ class TritonPrefillAttention:
         self.inner = inner
         self.name = f"{inner.name}+triton-prefill"
         self.device = device
+        inner_dims: tuple[int, ...] | None = getattr(inner, "head_dims", None)
+        self.one_query = inner_dims is not None and head_dim not in inner_dims
+        """Whether one-query-per-sequence steps come here too: `inner` cannot run them."""
         self.supports_graphs = getattr(inner, "supports_graphs", False)
         self.supports_prefill_graphs = device.type == "cuda"
         self.groups = LayerGroups.create(layers, head_dim**-0.5)
@@ -78,7 +83,7 @@ class TritonPrefillAttention:
         into `graph`'s buffers when given; every other step plans in the wrapped backend."""
         if isinstance(graph, PrefillKernelGraph):
             return self._plan(step, graph)
-        if graph is None and _is_prefill(step):
+        if graph is None and (_is_prefill(step) or (self.one_query and step.shared_prefix is None)):
             return self._plan(step, None)
         return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
 

@@ -142,6 +142,37 @@ def test_other_steps_go_to_the_wrapped_backend() -> None:
     assert not isinstance(triton.plan(decode), PrefillKernelPlan)
 
 
+class _Limited(TorchAttentionBackend):
+    """A backend whose kernels take only FlashInfer's head dims (on the CPU, the torch backend
+    declaring them): the test model's head dim 32 is not among them."""
+
+    head_dims = (64, 128, 256)
+
+
+def test_one_query_prefills_come_here_when_the_wrapped_backend_lacks_the_head_dim() -> None:
+    """A fully cached prompt's one-token prefill (one query per sequence) goes to the wrapped
+    backend, unless that backend has no kernels for the model's head dim (FlashInfer and the
+    embedded model's 16: such a prefill failed on a GPU without prefill graphs, session 28);
+    then the Triton kernel takes it, through the beam wrapper in between too, and computes
+    what the torch backend computes. Beam steps still go to the beam wrapper."""
+    pool, step, _ = _prefill(torch.bfloat16, new=(1, 1, 1), cached=(8, 5, 20))
+    q = torch.randn(3, HQ, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert not isinstance(_wrapper(TorchAttentionBackend(CPU)).plan(step), PrefillKernelPlan)
+    beam = TritonBeamAttention(_Limited(CPU), CPU, max_rows=64, max_prompt_slots=256)
+    triton = _wrapper(beam)
+    assert triton.one_query and isinstance(triton.plan(step), PrefillKernelPlan)
+    ref = _attend(TorchAttentionBackend(CPU), step, pool, q.float())
+    assert (_attend(triton, step, pool, q) - ref).abs().max().item() < ATOL
+    rows = 2
+    beam_step = prepare_beam_decode(
+        tokens=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
+        prompts=torch.arange(1, 4), prompt_lens=torch.tensor([3]),
+        row_request=torch.tensor([0, 0]), history=torch.zeros(rows, 0, dtype=torch.int64),
+        own=torch.arange(20, 22),
+    )  # fmt: skip
+    assert type(triton.plan(beam_step)).__name__ == "BeamKernelPlan"
+
+
 def _tiny_engine(tmp_path: Path, **settings) -> Engine:
     spec = Registry.discover().resolve("Qwen3ForCausalLM")
     write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=LEVELS)

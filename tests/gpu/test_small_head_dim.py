@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flashrec_core.attention.triton_prefill import TritonPrefillAttention
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
@@ -37,7 +38,10 @@ def test_a_cached_prompt_prefills_its_last_token_without_flashinfer(tmp_path: Pa
     engine = Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
     head_dim = engine.runner.config.head_dim
     assert head_dim not in (64, 128, 256), "a head dim FlashInfer has no kernels for"
-    assert engine.runner.attn_backend.one_query, "one-query prefills go to the Triton kernel"
+    backend = engine.runner.attn_backend
+    assert isinstance(backend, TritonPrefillAttention) and backend.one_query, (
+        "one-query prefills go to the Triton kernel"
+    )
     request = engine.make_request(prompt="user history w1 w2 w3", n=8)
     [first] = engine.generate([request])
     [again] = engine.generate([request])  # all but the last token cached

@@ -41,12 +41,15 @@ class SegmentedAttention:
         self.inner = inner
         self.name = f"segments({inner.name})"
 
-    def plan(self, steps: Sequence[StepInput]) -> SegmentPlans:
-        """Each step planned by the wrapped backend, in order."""
+    def plan(self, steps: Sequence[StepInput], graphs: Sequence[Any] | None = None) -> SegmentPlans:
+        """Each step planned by the wrapped backend, in order; with `graphs`, step i into the
+        fixed buffers of graphs[i] (a CUDA graph of the segmented forward)."""
         if not steps:
             raise ValueError("a segmented forward needs at least one step")
         bounds = (0, *accumulate(s.input_ids.numel() for s in steps))
-        return SegmentPlans(bounds, tuple(self.inner.plan(s) for s in steps))
+        if graphs is None:
+            return SegmentPlans(bounds, tuple(self.inner.plan(s) for s in steps))
+        return SegmentPlans(bounds, tuple(self.inner.plan(s, g) for s, g in zip(steps, graphs)))
 
     def forward(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch

@@ -12,8 +12,8 @@ Selected by `EngineConfig.prefill_attention`. Wraps any backend, the Triton beam
 included: steps with a `SharedPrefix` (beam steps) and one-query-per-sequence steps go to
 `inner`, unless `inner` has no kernels for the model's head dim (`head_dims`, FlashInfer's:
 the embedded model's 16), when this kernel takes the one-query steps too (a fully cached
-prompt's last token, say). Per-layer specs: the kernel applies each layer's soft-cap and sliding window itself, so
-one plan serves every layer group.
+prompt's last token, say). Per-layer specs: the kernel applies each layer's soft-cap and
+sliding window itself, so one plan serves every layer group.
 """
 
 from __future__ import annotations

@@ -472,10 +472,10 @@ class BeamWave:
     def _mixed_forward(
         self, prefill: StepInput, last: torch.Tensor, beside: Sequence[WaveState]
     ) -> tuple[torch.Tensor, list[_StepParts], list[Selection]] | None:
-        """The prefill and one beam step of the waves `beside` through one forward: the
-        prefill's hidden states at `last`, each wave's step parts and selection; None when
-        the mix has no CUDA graph (the caller runs them apart). Nothing of `beside` is
-        updated yet."""
+        """The prefill and one beam step of the waves `beside` (one group of `step_groups`: one
+        width and catalog version where graphs run) through one forward: the prefill's hidden
+        states at `last`, each wave's step parts and selection; None when the mix has no CUDA
+        graph (the caller runs them apart). Nothing of `beside` is updated yet."""
         if self.graphs is None:  # eagerly: a segmented forward, then each selection
             parts = [self._step_parts(wave, pad=False) for wave in beside]
             hidden = self.runner.forward_segments(
@@ -483,15 +483,9 @@ class BeamWave:
             )
             sels = self._select_steps(beside, parts, hidden, prefill.input_ids.numel())
             return hidden[last], parts, sels
+        if any(self._graph_merge_rows(wave) is None for wave in beside):
+            return None  # a wave that steps alone: no merged graph takes it
         parts = [self._step_parts(wave, pad=True) for wave in beside]
-        widths = {p.beams.max_width for p in parts}
-        variants = {wave.variant.key if wave.variant else 0 for wave in beside}
-        if (
-            len(widths) != 1
-            or len(variants) != 1
-            or any(merged_rows(p.padded, p.beams.max_width, self.max_rows) is None for p in parts)
-        ):
-            return None  # a wave a merged step graph cannot take (step_groups)
         merged = [
             MergedPart(wave.level, p.step, p.sel.score, p.sel.node, p.beams, wave.masks)
             for wave, p in zip(beside, parts)
@@ -592,9 +586,7 @@ class BeamWave:
             widths = [r.n for r in state.requests]
             key, wave_rows = (0, 0), sum(widths)
             if self.graphs is not None:
-                sampling = state.noise is not None and state.noise.sampling
-                padded = self.graphs.padded_requests(widths, sampling, state.masks)
-                rows = merged_rows(padded, widths[0], self.max_rows)
+                rows = self._graph_merge_rows(state)
                 if rows is None:
                     groups.append([i])
                     continue
@@ -607,6 +599,15 @@ class BeamWave:
             group.append(i)
             open_groups[key] = (group, rows + wave_rows)
         return groups
+
+    def _graph_merge_rows(self, state: WaveState) -> int | None:
+        """The rows the wave takes in a merged step graph (pad rows counted), or None: it
+        steps alone, replaying its own step graph (`cuda_graph.merged_rows`)."""
+        assert self.graphs is not None, "merged step graphs"
+        widths = [r.n for r in state.requests]
+        sampling = state.noise is not None and state.noise.sampling
+        padded = self.graphs.padded_requests(widths, sampling, state.masks)
+        return merged_rows(padded, widths[0], self.max_rows)
 
     def capture_merged_steps(self, width: int, version: CatalogVersion | None = None) -> int:
         """Capture the merged step graphs traffic at `width` meets (`merged_shapes`), on the

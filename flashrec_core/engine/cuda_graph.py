@@ -42,12 +42,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from flashrec_core.attention.segments import SegmentedAttention, SegmentPlans
+from flashrec_core.attention.segments import SegmentedAttention
 from flashrec_core.engine.beam_inputs import concat_beam_steps, pad_requests_step
+from flashrec_core.engine.graph_capture import record_graph
 from flashrec_core.engine.prefill_graph import (
     MIXED_SEQUENCES,
     empty_prefill,
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
     from flashrec_core.engine.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger("flashrec")
-T = TypeVar("T")
 
 MERGE_MAX_REQUESTS = 8
 MERGE_MAX_ROWS = 512
@@ -169,21 +169,6 @@ def graph_padding(widths: list[int], sampling: bool, max_rows: int) -> tuple[int
     if not fits:
         return None, f"{len(widths)} x {widths[0]} rows exceed max_wave_rows {max_rows}"
     return fits[0], ""
-
-
-def record_graph(body: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Capture `body` into a graph of memory pool `pool`, after one run outside it on a side
-    stream (Triton compiles, cuBLAS picks its algorithms; it writes the same K/V the replay
-    writes, so it is harmless). Returns the graph and the captured output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = body()
-    return graph, output
 
 
 def _execute(captured: _StepGraph | _MergedGraph, replay: bool) -> Any:
@@ -413,11 +398,9 @@ class DecodeGraphs:
         step = concat_beam_steps([p.step for p in parts])
         graph = self._merged.get(key)
         with torch.inference_mode():
-            start = 0
-            if prefill is not None:
+            if prefill is not None:  # its tokens first, the step's rows after them
                 self._copy_inputs(prefill.step)
-                start = prefill.shape[0]
-            self._copy_inputs(step, start)
+            self._copy_inputs(step, prefill.shape[0] if prefill else 0)
             start = 0
             for p in parts:
                 end = start + p.layout.num_rows
@@ -482,10 +465,10 @@ class DecodeGraphs:
         first use."""
         key, done = (variant or self.default).key, 0
         by_rows = sorted(shapes, key=lambda shape: -sum(count for _, count in shape))
-        for tokens in reversed(mixed_token_buckets(self.mixed_tokens) if self.mixed_tokens else []):
-            prefill = pad_prefill(empty_prefill(), tokens, MIXED_SEQUENCES)
+        for tokens in reversed(mixed_token_buckets(self.mixed_tokens)):
+            mixed = (tokens, MIXED_SEQUENCES)
+            prefill = pad_prefill(empty_prefill(), *mixed)
             for shape in by_rows:
-                mixed = (tokens, MIXED_SEQUENCES)
                 if (key, width, shape, (False,) * len(shape), mixed) in self._merged:
                     continue
                 parts = self._pad_parts(width, shape, None)
@@ -530,14 +513,14 @@ class DecodeGraphs:
         num_requests = sum(count for _, count in shape)
         rows = step.input_ids.numel()
         attention = backend.graph_attention(num_requests, rows, suffix_width=suffix_width)
-        metadata = backend.plan(step, graph=attention)
         tokens, prefill_attention, segments = 0, None, None
-        if prefill is not None:  # the prefill's tokens first, then the step's rows
+        if prefill is None:
+            metadata = backend.plan(step, graph=attention)
+        else:  # the prefill's tokens first, then the step's rows
             tokens, sequences = prefill.shape
             prefill_attention = backend.prefill_graph_attention(sequences, tokens)
-            plans = (backend.plan(prefill.step, graph=prefill_attention), metadata)
-            metadata = SegmentPlans((0, tokens, tokens + rows), plans)
             segments = SegmentedAttention(backend)
+            metadata = segments.plan([prefill.step, step], [prefill_attention, attention])
         bounds = list(itertools.accumulate((p.layout.num_rows for p in parts), initial=tokens))
         shares = [
             (p.level, p.layout, m, a, b, a - tokens, b - tokens)

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from flashrec_core.attention.step import StepInput
+from flashrec_core.engine.graph_capture import record_graph
 from flashrec_core.kvcache.pool import KVPool
 
 if TYPE_CHECKING:
@@ -267,8 +268,6 @@ class PrefillGraphs:
             return None
 
     def _capture(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph:
-        from flashrec_core.engine.cuda_graph import record_graph  # it imports this module
-
         tokens, sequences = shape
         start = time.perf_counter()
         # Wrappers per shape, sized by a plan of its own token count (a graph-mode plan fixes

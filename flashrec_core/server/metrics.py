@@ -89,7 +89,7 @@ class _EngineCollector(Collector):
             ),
             "engine_mixed_forwards": (
                 "of those, an admitted wave's prefill forwards that carried them "
-                "(--mixed-prefill-steps, where prefills and steps run eagerly)",
+                "(--mixed-prefill-steps)",
                 s.mixed_forwards,
             ),
             "engine_busy_seconds": ("engine-thread seconds inside iterations", s.busy_seconds),

@@ -51,7 +51,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-_SCHEDULES = ("interleaved", "decode_first")  # EngineConfig.schedule (config imports torch)
+# EngineConfig.schedule (config imports torch)
+_SCHEDULES = ("interleaved", "decode_first", "admit_first")
 _MEM_FRACTION = 0.7  # EngineConfig.mem_fraction's default (tests/core/test_cli.py checks)
 
 
@@ -213,7 +214,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=1024, help="requests in flight at once")
     p.add_argument(
         "--schedule", choices=_SCHEDULES, default="interleaved",
-        help="admit new waves at every step boundary, or once the waves in flight have finished",
+        help="admit new waves at every step boundary (admit_first: and step them at once), or "
+        "once the waves in flight have finished (decode_first)",
     )  # fmt: skip
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run beam steps eagerly")

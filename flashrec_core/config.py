@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-Schedule = Literal["interleaved", "decode_first"]
+Schedule = Literal["interleaved", "decode_first", "admit_first"]
 
 
 class EngineConfig(BaseModel):
@@ -70,7 +70,9 @@ class EngineConfig(BaseModel):
     schedule: Schedule = "interleaved"
     """When the engine loop admits a new wave. "interleaved": at every step boundary, so a new
     wave's prefill runs between the steps of the waves in flight; "decode_first": once the
-    waves in flight have run their last step (engine/loop.py)."""
+    waves in flight have run their last step; "admit_first": at every step boundary, before the
+    waves in flight step, so a new wave takes its first beam step in the forward they share
+    (one iteration less a request, the same GPU work; engine/loop.py)."""
     prefill_tokens_per_step: int | None = Field(default=None, gt=0)
     """Chunked prefill: while waves are in flight, a new wave's prefill runs about this many new
     prompt tokens per loop iteration (whole forwards of at most `prefill_chunk_tokens`, at least

@@ -22,6 +22,13 @@ iteration per distinct n queued before it.
 With `schedule = "decode_first"` step 3 admits only when no wave is in flight: each wave's steps
 run back to back after its prefill, with no other wave's prefill between them.
 
+With `schedule = "admit_first"` each iteration admits (3) before it steps (2), and the new wave
+takes its first beam step in the same iteration, in the forward the waves in flight share: a
+wave lives `depth - 1` iterations, not `depth`, for the same GPU work. Its finished waves' copies
+are queued behind that iteration's prefill, so their results come at the next iteration's end
+when the GPU still runs them (see `_deliver`). The KV that this iteration's last steps hand
+back serves the next admission, not this one.
+
 With `prefill_tokens_per_step` set, step 3 runs only about that many new prompt tokens of the
 admitted wave's prefill (whole prefill forwards, at least one) while other waves are in flight,
 and the rest in the next iterations' step 3, one piece each, before any other wave is admitted:
@@ -103,7 +110,7 @@ class _Finished:
     requests: list[GenerationRequest]
     cached_lens: list[int]
     decoder: ResultDecoder
-    behind_admission: bool = False  # its last step ran in a mixed forward (`_deliver`)
+    behind_admission: bool = False  # its last step is queued behind a prefill (`_deliver`)
     deferred: bool = False  # its copy was still running at an iteration's end (`_deliver`)
 
 
@@ -132,7 +139,7 @@ class EngineLoop:
         None: torch's default."""
         self.schedule: Schedule = "interleaved"
         """"interleaved": admit at every step boundary; "decode_first": only once no wave is in
-        flight (EngineConfig.schedule; module docstring)."""
+        flight; "admit_first": admit, then step (EngineConfig.schedule; module docstring)."""
         self.admission_delay_factor = 0.0
         """While waves are in flight, admit only once this many times the last prefill's
         duration has passed since the last admission (the server's setting; 0: every step).
@@ -143,6 +150,7 @@ class EngineLoop:
         self.prefill_tokens_per_step: int | None = None
         """New prompt tokens of a wave's prefill per iteration while waves are in flight (None:
         its whole prefill at once; EngineConfig.prefill_tokens_per_step, module docstring)."""
+        self._prefill_queued = False  # this iteration queued prefill work (admit_first)
         self._last_admit_at = 0.0
         self._last_prefill_s = 0.0
         self._admit_started = 0.0  # when the wave prefilling now was admitted
@@ -353,23 +361,34 @@ class EngineLoop:
             with phase("iteration"):
                 with phase("retire"):
                     self._retire(now)
-                waves = list(self._waves)
-                groups = [
-                    [waves[i] for i in group]
-                    for group in self.wave.step_groups([w.state for w in waves])
-                ]
-                beside = groups.pop(0) if groups and self._mixing() else []
-                with phase("step"):
-                    for group in groups:
-                        self._advance(group)
-                with phase("admit"):
-                    self._admit(now, beside)
+                self._prefill_queued = False
+                if self.schedule == "admit_first":
+                    with phase("admit"):
+                        self._admit(now, [])
+                    with phase("step"):
+                        for group in self._step_groups():
+                            self._advance(group, behind_admission=self._prefill_queued)
+                else:
+                    groups = self._step_groups()
+                    beside = groups.pop(0) if groups and self._mixing() else []
+                    with phase("step"):
+                        for group in groups:
+                            self._advance(group)
+                    with phase("admit"):
+                        self._admit(now, beside)
                 self._peak_kv_used = max(self._peak_kv_used, self._kv_used())  # iteration's most
                 with phase("results"):
                     self._deliver()
             self._iterations += 1
             self._busy_s += time.monotonic() - now
             self._cpu_s += time.thread_time() - cpu  # busy less this: waits (GPU, GIL, locks)
+
+    def _step_groups(self) -> list[list[_Wave]]:
+        """The waves in flight, grouped as their beam steps share forwards (`step_groups`)."""
+        waves = list(self._waves)
+        return [
+            [waves[i] for i in group] for group in self.wave.step_groups([w.state for w in waves])
+        ]
 
     def _kv_used(self) -> int:
         """KV slots held by requests in flight (neither free nor in the prefix cache)."""
@@ -438,6 +457,7 @@ class EngineLoop:
         handles = self._take_wave()
         if not handles:
             return False
+        self._prefill_queued = True
         admitted = time.monotonic()  # not `now` (the iteration's start): a request may have
         for h in handles:  # been submitted since, and its queue time would come out negative
             h.admitted_at = admitted
@@ -473,6 +493,7 @@ class EngineLoop:
         no wave in flight to step between pieces, all the rest at once."""
         budget = self.prefill_tokens_per_step if self._waves else None
         self._prefill_pieces += 1
+        self._prefill_queued = True
         try:
             self.wave.prefill_some(wave.state, budget)
         except BaseException as exc:
@@ -567,9 +588,10 @@ class EngineLoop:
         with self._cv:
             self._queue.extendleft(reversed(handles))
 
-    def _advance(self, waves: list[_Wave]) -> None:
+    def _advance(self, waves: list[_Wave], behind_admission: bool = False) -> None:
         """One beam step of `waves` (one forward when several: `BeamWave.step_groups`); a
-        failure fails every wave of the step."""
+        failure fails every wave of the step. `behind_admission`: this iteration's prefill is
+        queued before the step (`_stepped`)."""
         try:
             self.wave.advance_together([w.state for w in waves])
         except torch.OutOfMemoryError:
@@ -592,11 +614,12 @@ class EngineLoop:
             for wave in waves:
                 self._fail_wave(wave, exc)
             return
-        self._stepped(waves)
+        self._stepped(waves, behind_admission)
 
     def _stepped(self, waves: list[_Wave], behind_admission: bool = False) -> None:
-        """After one forward stepped `waves` (`behind_admission`: the admitted prefill's, a
-        mixed forward): counters, and the waves whose last step it was finish."""
+        """After one forward stepped `waves` (`behind_admission`: it is queued after this
+        iteration's prefill, or is the admitted prefill's, a mixed forward): counters, and the
+        waves whose last step it was finish."""
         self._beam_steps += len(waves)
         self._beam_forwards += 1
         for wave in waves:
@@ -614,8 +637,8 @@ class EngineLoop:
     def _finish(self, wave: _Wave, behind_admission: bool = False) -> None:
         """The wave's last step ran: start its beams' copy to the host, hand its KV back now
         (later GPU work that reuses the slots is queued behind the step), and leave the results
-        to `_deliver` at the end of the iteration (`behind_admission`: the step ran in the
-        admitted prefill's forward, and so does the copy's wait)."""
+        to `_deliver` at the end of the iteration (`behind_admission`: the step is queued after
+        this iteration's prefill, or ran in its forward, and so is the copy)."""
         state = wave.state
         try:
             decoder = state.version.decoder if state.version is not None else self.decoder
@@ -636,9 +659,10 @@ class EngineLoop:
         """Results of the waves finished this iteration (module docstring, step 4). The copies
         of waves that finished in the step phase are queued before the admission's prefill,
         so waiting for them leaves that prefill queued on the GPU. A wave whose last step ran
-        in the admission's mixed forward (`BeamWave.begin_mixed`) has its copy queued after
-        all of it: while other work is in flight and the copy is still running, it waits for
-        the next iteration's end instead, whose GPU work is queued by then (waiting here would
+        in the admission's mixed forward (`BeamWave.begin_mixed`), or after the admission
+        (admit_first), has its copy queued after all of it: while other work is in flight and
+        the copy is still running, it waits for the next iteration's end instead, whose GPU
+        work is queued by then (waiting here would
         leave the GPU idle while the host prepares the next iteration; measured on an H100,
         session 29, iterations grew from 10 to 35 ms at 0.7x of saturation)."""
         finished, self._finished = self._finished, []

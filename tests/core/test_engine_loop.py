@@ -218,6 +218,27 @@ def test_decode_first_admits_once_the_wave_in_flight_has_run_its_last_step(
     assert_idle(engine)
 
 
+def test_admit_first_steps_a_new_wave_in_the_iteration_of_its_prefill(checkpoint: Path) -> None:
+    """An admit-first loop prefills a new wave, then steps it in the same iteration, in the
+    forward it shares with the wave in flight: a depth-3 wave finishes in two iterations, and
+    both answer as alone."""
+    engine = make_engine(checkpoint, schedule="admit_first", merge_beam_steps=True)
+    loop = engine.loop
+    first = loop.submit(engine.make_request(prompt="w21 w22 w23", n=8))
+    loop.run_once()  # first's prefill (level 1), then its level-2 step
+    s = loop.stats()
+    assert (s.waves_admitted, s.beam_steps, s.beam_forwards) == (1, 1, 1)
+    second = loop.submit(engine.make_request(prompt="w24 w25", n=4))
+    loop.run_once()  # second's prefill, then one forward: first's last step, second's level 2
+    s = loop.stats()
+    assert (s.waves_admitted, s.beam_steps, s.beam_forwards, s.mixed_forwards) == (2, 3, 2, 0)
+    assert first.future.done() and not second.future.done()
+    loop.run_once()  # second's last step
+    assert second.future.done()
+    _finish_and_compare_alone(engine, [first, second])
+    assert_idle(engine)
+
+
 LONG_PROMPT = " ".join(f"w{i}" for i in range(4, 30))
 """More prompt tokens than three prefill pieces of PIECE tokens."""
 PIECE = 4

@@ -302,8 +302,11 @@ def test_a_merged_step_replays_like_its_captured_work_run_eagerly(merged_engine_
     assert graphs.stats.merged_replays - replays == 2
 
 
-def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
-    """Requests joining every iteration (waves at levels 1 and 2 in flight): greedy waves,
+@pytest.mark.parametrize("schedule", ["interleaved", "admit_first"])
+def test_merged_waves_score_like_transformers(merged_engine_and_hf, schedule: str) -> None:
+    """Requests joining every iteration (waves at levels 1 and 2 in flight; admit_first: a new
+    wave's first step in the forward of the wave before it's last, whose results then wait
+    for the next iteration when its copy is queued behind the prefill): greedy waves,
     filtered ones (an exclude list, an allow list) and a sampled one (it steps alone). Waves in
     flight together replay merged step graphs (greedy with greedy, greedy with filtered,
     filtered with filtered; with `mixed_prefill_tokens` set, inside the next request's prefill:
@@ -311,6 +314,16 @@ def test_merged_waves_score_like_transformers(merged_engine_and_hf) -> None:
     wrong slot, level or row offset gives whole nats) and keeps to its request's filter (a
     mask buffer read wrong lets other items through)."""
     engine, hf = merged_engine_and_hf
+    graphs, loop = engine.wave.graphs, engine.loop
+    assert graphs is not None
+    loop.schedule = schedule  # type: ignore[assignment]  # put back below
+    try:
+        _merged_waves_score_like_transformers(engine, hf)
+    finally:
+        loop.schedule = "interleaved"
+
+
+def _merged_waves_score_like_transformers(engine: Engine, hf) -> None:
     graphs, loop = engine.wave.graphs, engine.loop
     assert graphs is not None
     items = engine.catalog_index.item_ids

@@ -159,7 +159,7 @@ def main() -> None:
     from flashrec_kernels import fp8_gemm_rows
 
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
-    lowest, highest = torch.cuda.Stream.priority_range()
+    lowest, highest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a staticmethod
     print(f"{torch.cuda.get_device_name()}: stream priorities {lowest}..{highest}", flush=True)
     weights = _weights()
     small_rows = {k: fp8_gemm_rows(o, i, DEV) for k, (o, i) in

@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     wave's prefill runs between the steps of the waves in flight; "decode_first": once the
     waves in flight have run their last step; "admit_first": at every step boundary, before the
     waves in flight step, so a new wave takes its first beam step in the forward they share
-    (one iteration less a request, the same GPU work; engine/loop.py)."""
+    (one iteration less a request for the same GPU work, but on an H100 no shorter latency:
+    its iterations ran longer; docs/benchmarks.md, session 30; engine/loop.py)."""
     prefill_tokens_per_step: int | None = Field(default=None, gt=0)
     """Chunked prefill: while waves are in flight, a new wave's prefill runs about this many new
     prompt tokens per loop iteration (whole forwards of at most `prefill_chunk_tokens`, at least

@@ -27,7 +27,8 @@ takes its first beam step in the same iteration, in the forward the waves in fli
 wave lives `depth - 1` iterations, not `depth`, for the same GPU work. Its finished waves' copies
 are queued behind that iteration's prefill, so their results come at the next iteration's end
 when the GPU still runs them (see `_deliver`). The KV that this iteration's last steps hand
-back serves the next admission, not this one.
+back serves the next admission, not this one. Measured on an H100 it did not shorten the
+latency tail: the iterations grew by more than the one saved (docs/benchmarks.md, session 30).
 
 With `prefill_tokens_per_step` set, step 3 runs only about that many new prompt tokens of the
 admitted wave's prefill (whole prefill forwards, at least one) while other waves are in flight,

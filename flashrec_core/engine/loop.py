@@ -151,7 +151,9 @@ class EngineLoop:
         self.prefill_tokens_per_step: int | None = None
         """New prompt tokens of a wave's prefill per iteration while waves are in flight (None:
         its whole prefill at once; EngineConfig.prefill_tokens_per_step, module docstring)."""
-        self._prefill_queued = False  # this iteration queued prefill work (admit_first)
+        self._prefill_queued = False
+        """This iteration has queued a prefill: beam steps queued from now on, and the copies
+        of the waves they finish, run after it on the GPU (`_finish`, `_deliver`)."""
         self._last_admit_at = 0.0
         self._last_prefill_s = 0.0
         self._admit_started = 0.0  # when the wave prefilling now was admitted
@@ -368,7 +370,7 @@ class EngineLoop:
                         self._admit(now, [])
                     with phase("step"):
                         for group in self._step_groups():
-                            self._advance(group, behind_admission=self._prefill_queued)
+                            self._advance(group)
                 else:
                     groups = self._step_groups()
                     beside = groups.pop(0) if groups and self._mixing() else []
@@ -458,7 +460,6 @@ class EngineLoop:
         handles = self._take_wave()
         if not handles:
             return False
-        self._prefill_queued = True
         admitted = time.monotonic()  # not `now` (the iteration's start): a request may have
         for h in handles:  # been submitted since, and its queue time would come out negative
             h.admitted_at = admitted
@@ -483,9 +484,10 @@ class EngineLoop:
         except BaseException as exc:  # the new wave's KV is handed back (BeamWave.begin_mixed)
             self._prefill_failed(handles, exc)
             return apart
+        self._prefill_queued = True
         if mixed:
             self._mixed_forwards += 1
-            self._stepped(beside, behind_admission=True)
+            self._stepped(beside)
         self._prefilled(_Wave(state, handles), now)
         return mixed or apart
 
@@ -494,7 +496,6 @@ class EngineLoop:
         no wave in flight to step between pieces, all the rest at once."""
         budget = self.prefill_tokens_per_step if self._waves else None
         self._prefill_pieces += 1
-        self._prefill_queued = True
         try:
             self.wave.prefill_some(wave.state, budget)
         except BaseException as exc:
@@ -502,6 +503,7 @@ class EngineLoop:
             self.wave.release(wave.state, False)
             self._prefill_failed(wave.handles, exc)
             return
+        self._prefill_queued = True
         self._prefilled(wave, now)
 
     def _prefilled(self, wave: _Wave, now: float) -> None:
@@ -589,10 +591,9 @@ class EngineLoop:
         with self._cv:
             self._queue.extendleft(reversed(handles))
 
-    def _advance(self, waves: list[_Wave], behind_admission: bool = False) -> None:
+    def _advance(self, waves: list[_Wave]) -> None:
         """One beam step of `waves` (one forward when several: `BeamWave.step_groups`); a
-        failure fails every wave of the step. `behind_admission`: this iteration's prefill is
-        queued before the step (`_stepped`)."""
+        failure fails every wave of the step."""
         try:
             self.wave.advance_together([w.state for w in waves])
         except torch.OutOfMemoryError:
@@ -615,17 +616,16 @@ class EngineLoop:
             for wave in waves:
                 self._fail_wave(wave, exc)
             return
-        self._stepped(waves, behind_admission)
+        self._stepped(waves)
 
-    def _stepped(self, waves: list[_Wave], behind_admission: bool = False) -> None:
-        """After one forward stepped `waves` (`behind_admission`: it is queued after this
-        iteration's prefill, or is the admitted prefill's, a mixed forward): counters, and the
-        waves whose last step it was finish."""
+    def _stepped(self, waves: list[_Wave]) -> None:
+        """After one forward stepped `waves`: counters, and the waves whose last step it was
+        finish (behind this iteration's prefill once one is queued: `_prefill_queued`)."""
         self._beam_steps += len(waves)
         self._beam_forwards += 1
         for wave in waves:
             if wave.state.level >= self.wave.depth:
-                self._finish(wave, behind_admission)
+                self._finish(wave, self._prefill_queued)
 
     def _fail_wave(self, wave: _Wave, exc: Exception) -> None:
         """Take a wave out of flight, hand its KV back, fail its requests with `exc` (those

@@ -113,16 +113,10 @@ def test_an_admitted_prefill_carries_the_step_of_the_wave_in_flight(engine: Engi
     assert_idle(engine)
 
 
-def test_results_copying_behind_a_mixed_forward_wait_one_iteration(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A wave whose last step ran in the admission's mixed forward, and whose beams' copy to
-    the host has not landed by the end of that iteration, is delivered at the end of the next
-    one (on CUDA its copy is queued behind the whole mixed forward, and waiting would idle the
-    GPU while the host prepares the next iteration), waiting for the copy then. A wave that
-    finished in the step phase is delivered at once, waiting for its copy (queued before the
-    admission's prefill). On the CPU a copy is done at once: here every copy reports itself
-    still running, so only those rules deliver."""
+@pytest.fixture
+def copies_still_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every beams' copy to the host reports itself still running (`HostBeams.ready`). On the
+    CPU a copy is done at once; with this, only the loop's rules for when to wait deliver."""
     from flashrec_core.engine import loop as loop_module
     from flashrec_core.engine.results import HostBeams
 
@@ -137,6 +131,14 @@ def test_results_copying_behind_a_mixed_forward_wait_one_iteration(
         return StillCopying(beams.codes_nodes, beams.path_scores, beams.copied)
 
     monkeypatch.setattr(loop_module, "copy_to_host", copy_still_running)
+
+
+@pytest.mark.usefixtures("copies_still_running")
+def test_results_copying_behind_a_mixed_forward_wait_one_iteration(engine: Engine) -> None:
+    """A wave whose last step ran in the admission's mixed forward, and whose beams' copy to
+    the host has not landed by the end of that iteration, is delivered at the end of the next
+    one (on CUDA its copy is queued behind the whole mixed forward, and waiting would idle the
+    GPU while the host prepares the next iteration), waiting for the copy then."""
     loop = engine.loop
     handles = []
     for prompt in ("w41 w42 w43", "w44 w45", "w46 w47 w48 w49"):
@@ -147,8 +149,36 @@ def test_results_copying_behind_a_mixed_forward_wait_one_iteration(
     assert not first.future.done(), "delivered while its copy ran and other work was queued"
     loop.run_once()  # nothing queued, no mixing: second's last step in the step phase
     assert first.future.done(), "one iteration late at most"
-    assert second.future.done(), "a wave finished in the step phase waits for its copy"
+    assert not second.future.done(), "nothing queued after its copy, third in flight: deferred"
+    loop.run_once()  # third's last step; nothing else in flight: waited for at once
+    assert second.future.done() and third.future.done()
     _finish_and_compare_alone(engine, handles)
+    assert_idle(engine)
+
+
+@pytest.mark.usefixtures("copies_still_running")
+def test_results_wait_for_a_copy_only_when_gpu_work_is_queued_after_it(
+    checkpoint: Path,
+) -> None:
+    """A wave that finished in the step phase is delivered in the same iteration when the
+    admission's prefill is queued after its copy (the GPU runs it while the host waits and
+    assembles), and one iteration later when nothing follows the copy while other waves are in
+    flight (waiting then would idle the GPU until the next step is queued); with nothing else
+    to do, at once."""
+    engine = make_engine(checkpoint, mixed_prefill_steps=False)
+    loop = engine.loop
+    first = loop.submit(engine.make_request(prompt="w61 w62 w63", n=4))
+    loop.run_once()  # first: level 1
+    second = loop.submit(engine.make_request(prompt="w64 w65", n=4))
+    loop.run_once()  # first: level 2; second admitted
+    third = loop.submit(engine.make_request(prompt="w66 w67 w68", n=4))
+    loop.run_once()  # first's last step, then third's prefill queued after its copy
+    assert first.future.done(), "a prefill followed its copy: waited for at once"
+    loop.run_once()  # second's last step; no admission, third in flight
+    assert not second.future.done(), "nothing followed its copy and third is in flight"
+    loop.run_once()  # third's last step; nothing else in flight
+    assert second.future.done() and third.future.done()
+    _finish_and_compare_alone(engine, [first, second, third])
     assert_idle(engine)
 
 

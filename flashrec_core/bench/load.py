@@ -225,7 +225,8 @@ def unloaded(
 _ENGINE_TOTALS = (
     "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
     "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
-    "flashrec_engine_cpu_seconds_total", "process_cpu_seconds_total",
+    "flashrec_engine_cpu_seconds_total", "flashrec_engine_results_wait_seconds_total",
+    "process_cpu_seconds_total",
     "flashrec_request_latency_seconds_sum{endpoint=/v1/completions}",
     "flashrec_request_latency_seconds_count{endpoint=/v1/completions}",
     "flashrec_request_stage_seconds_sum{stage=queue}",
@@ -274,6 +275,8 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         # admissions whose prefill carried a step group (--mixed-prefill-steps), an iteration
         "mixed_forwards_per_iteration": d["mixed_forwards"] / iters,
         "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
+        # blocked on finished beams' copies: the GPU ahead of the host (0: the host the bound)
+        "results_wait_ms_per_iteration": 1e3 * d["results_wait_seconds"] / iters,
         # the server process's CPU time outside the engine thread: HTTP, parsing, answers (and,
         # for a model run on the CPU, torch's intra-op worker threads)
         "other_cpu_ms_per_request": 1e3 * (d["process_cpu_seconds"] - d["cpu_seconds"]) / answered,

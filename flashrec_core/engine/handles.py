@@ -118,6 +118,7 @@ class LoopStats:
     mixed_forwards: int = 0  # of those, prefill forwards that carried them (mixed_prefill_steps)
     busy_seconds: float = 0.0  # inside run_once: the engine thread's working time
     cpu_seconds: float = 0.0  # CPU time of the threads running run_once, inside it
+    results_wait_seconds: float = 0.0  # of busy_seconds, blocked on finished beams' copies
     kv_slots_used: int = 0  # held by requests in flight (neither free nor cached)
     kv_slots_peak_used: int = 0  # the most kv_slots_used since start (after an admission)
     admission_retries_kv: int = 0  # waves put back in the queue: too few KV slots free

@@ -173,6 +173,7 @@ class EngineLoop:
         self._requests_admitted = 0
         self._busy_s = 0.0
         self._cpu_s = 0.0
+        self._results_wait_s = 0.0  # blocked on finished beams' copies (`_deliver`)
         self._peak_kv_used = 0
 
     # -- clients --------------------------------------------------------------------------
@@ -285,6 +286,7 @@ class EngineLoop:
             mixed_forwards=self._mixed_forwards,
             busy_seconds=self._busy_s,
             cpu_seconds=self._cpu_s,
+            results_wait_seconds=self._results_wait_s,
             kv_slots_used=self._kv_used(),
             kv_slots_peak_used=self._peak_kv_used,
             admission_retries_kv=self._retries_kv,
@@ -679,6 +681,9 @@ class EngineLoop:
                 f.deferred = True
                 self._finished.append(f)
                 continue
+            waited = time.monotonic()
+            f.beams.wait()  # the GPU is this far ahead of the host (a CUDA wait spins: CPU too)
+            self._results_wait_s += time.monotonic() - waited
             try:
                 out = assemble_results(f.beams, f.requests, f.cached_lens, f.decoder)
             except Exception as exc:  # a bug: these requests fail, the loop keeps serving

@@ -39,10 +39,14 @@ class HostBeams:
         """Whether the copies have landed (reading `arrays()` would not wait)."""
         return self.copied is None or self.copied.query()
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The two as numpy arrays, once the copies have landed."""
+    def wait(self) -> None:
+        """Block until the copies have landed."""
         if self.copied is not None:
             self.copied.synchronize()
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The two as numpy arrays, once the copies have landed."""
+        self.wait()
         return self.codes_nodes.numpy(), self.path_scores.numpy()
 
 

@@ -98,6 +98,11 @@ class _EngineCollector(Collector):
                 "GPU, the GIL or a lock)",
                 s.cpu_seconds,
             ),
+            "engine_results_wait_seconds": (
+                "of the busy seconds, the engine thread blocked on finished waves' beams "
+                "reaching the host: how far the GPU's queued work ran ahead of the host",
+                s.results_wait_seconds,
+            ),
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(f"flashrec_{name}", doc, value=value)

@@ -182,6 +182,33 @@ def test_results_wait_for_a_copy_only_when_gpu_work_is_queued_after_it(
     assert_idle(engine)
 
 
+def test_the_loop_counts_its_waits_for_results_copies(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`results_wait_seconds` is the time the loop blocked on finished beams' copies (on CUDA,
+    how far the GPU ran ahead of the host): here every copy takes 30 ms to land."""
+    from flashrec_core.engine import loop as loop_module
+    from flashrec_core.engine.results import HostBeams
+
+    class SlowCopy(HostBeams):
+        def wait(self) -> None:
+            time.sleep(0.03)
+
+    real = loop_module.copy_to_host
+
+    def slow_copy(out):  # type: ignore[no-untyped-def]
+        beams = real(out)
+        return SlowCopy(beams.codes_nodes, beams.path_scores, beams.copied)
+
+    monkeypatch.setattr(loop_module, "copy_to_host", slow_copy)
+    before = engine.loop.stats()
+    [result] = engine.generate([engine.make_request(prompt="w71 w72", n=4)])
+    after = engine.loop.stats()
+    waited = after.results_wait_seconds - before.results_wait_seconds
+    assert 0.03 <= waited <= after.busy_seconds - before.busy_seconds
+    assert result.choices
+
+
 @pytest.mark.parametrize(
     ("fields", "why"),
     [({"mixed_prefill_steps": False}, "turned off"),

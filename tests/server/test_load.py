@@ -192,6 +192,8 @@ def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_
         cpu = m["flashrec_engine_cpu_seconds_total"]
         assert 0 < cpu <= m["flashrec_engine_busy_seconds_total"] + 1e-3
         assert cpu <= m["process_cpu_seconds_total"] + 1e-2  # /proc reports in 10 ms ticks
+        wait = m["flashrec_engine_results_wait_seconds_total"]  # part of the busy time
+        assert 0 <= wait <= m["flashrec_engine_busy_seconds_total"]
     text = profile.read_text()  # written when the engine thread ends, at shutdown
     assert "run_once" in text and "Ordered by: cumulative time" in text
 

@@ -10,9 +10,7 @@ Work runs in iterations, each a step boundary:
 3. admit: queued requests form a new wave (KV allocated, prefill, first selection) under the
    beam-row, request-table and KV-slot budgets, which include the KV just handed back;
 4. results: the finished waves' beams become results while the GPU runs the prefill queued in
-   3 (the copies were queued before it, so the host waits only for them). A copy with no GPU
-   work queued after it is not waited for while other work is in flight: its wave's results
-   come at the next iteration's end (`_deliver`).
+   3 (the copies were queued before it, so the host waits only for them).
 
 Under load every iteration runs one new wave's prefill and the beam steps of the waves admitted
 in the iterations before (a wave lives `depth` iterations). A request that arrives while others
@@ -661,23 +659,22 @@ class EngineLoop:
         self._finished.append(finished)
 
     def _deliver(self) -> None:
-        """Results of the waves finished this iteration (module docstring, step 4). Waiting for
-        a wave's copy is free when GPU work is queued after it: the copies of waves that
-        finished in the step phase are queued before the admission's prefill, which runs while
-        the host assembles their results and prepares the next iteration. A copy that nothing
-        follows (no prefill this iteration), or that follows all of this iteration's work (a
-        last step in the admission's mixed forward, or after it with admit_first), would leave
-        the GPU idle until the next iteration's work is queued: while other work is in flight
-        and the copy is still running, its wave waits for the next iteration's end instead,
-        whose GPU work is queued behind the copy by then. (Measured on an H100: waiting behind
-        a mixed forward grew 0.7x iterations from 10 to 35 ms, session 29. A profiler window at
-        0.7x, session 31, found the GPU idle 16% of the time, 1.4 of its 2.0 ms an iteration
-        while the host assembled results, went between iterations or prepared the next step.)"""
+        """Results of the waves finished this iteration (module docstring, step 4). The copies
+        of waves that finished in the step phase are queued before the admission's prefill,
+        so waiting for them leaves that prefill queued on the GPU. A wave whose last step ran
+        in the admission's mixed forward (`BeamWave.begin_mixed`), or after the admission
+        (admit_first), has its copy queued after all of it: while other work is in flight and
+        the copy is still running, it waits for the next iteration's end instead, whose GPU
+        work is queued by then (waiting here would leave the GPU idle while the host prepares
+        the next iteration; measured on an H100, session 29, iterations grew from 10 to 35 ms
+        at 0.7x of saturation). A copy that nothing follows because no wave was admitted is
+        waited for: deferring it too, so that the next step is queued first, lengthened the
+        tail at 0.7x (p99 115-120 against 110 ms, session 31), for the loop is bound by the
+        GPU there, and a deferred wave's results waited for the host's next iteration."""
         finished, self._finished = self._finished, []
         busy = bool(self._waves or self._queue)
         for f in finished:
-            queued_after = self._prefill_queued and not f.behind_admission
-            if busy and not queued_after and not f.deferred and not f.beams.ready():
+            if busy and f.behind_admission and not f.deferred and not f.beams.ready():
                 f.deferred = True
                 self._finished.append(f)
                 continue

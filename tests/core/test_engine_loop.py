@@ -149,22 +149,19 @@ def test_results_copying_behind_a_mixed_forward_wait_one_iteration(engine: Engin
     assert not first.future.done(), "delivered while its copy ran and other work was queued"
     loop.run_once()  # nothing queued, no mixing: second's last step in the step phase
     assert first.future.done(), "one iteration late at most"
-    assert not second.future.done(), "nothing queued after its copy, third in flight: deferred"
-    loop.run_once()  # third's last step; nothing else in flight: waited for at once
-    assert second.future.done() and third.future.done()
+    assert second.future.done(), "a wave finished in the step phase waits for its copy"
     _finish_and_compare_alone(engine, handles)
     assert_idle(engine)
 
 
 @pytest.mark.usefixtures("copies_still_running")
-def test_results_wait_for_a_copy_only_when_gpu_work_is_queued_after_it(
+def test_a_wave_finished_in_the_step_phase_is_delivered_in_its_iteration(
     checkpoint: Path,
 ) -> None:
-    """A wave that finished in the step phase is delivered in the same iteration when the
-    admission's prefill is queued after its copy (the GPU runs it while the host waits and
-    assembles), and one iteration later when nothing follows the copy while other waves are in
-    flight (waiting then would idle the GPU until the next step is queued); with nothing else
-    to do, at once."""
+    """A wave that finished in the step phase is delivered in the same iteration, waiting for
+    its copy, whether the admission's prefill is queued after the copy (the GPU runs it while
+    the host waits and assembles) or no wave was admitted (deferring it lengthened the tail on
+    an H100, session 31: `_deliver`)."""
     engine = make_engine(checkpoint, mixed_prefill_steps=False)
     loop = engine.loop
     first = loop.submit(engine.make_request(prompt="w61 w62 w63", n=4))
@@ -173,11 +170,9 @@ def test_results_wait_for_a_copy_only_when_gpu_work_is_queued_after_it(
     loop.run_once()  # first: level 2; second admitted
     third = loop.submit(engine.make_request(prompt="w66 w67 w68", n=4))
     loop.run_once()  # first's last step, then third's prefill queued after its copy
-    assert first.future.done(), "a prefill followed its copy: waited for at once"
+    assert first.future.done(), "a prefill followed its copy"
     loop.run_once()  # second's last step; no admission, third in flight
-    assert not second.future.done(), "nothing followed its copy and third is in flight"
-    loop.run_once()  # third's last step; nothing else in flight
-    assert second.future.done() and third.future.done()
+    assert second.future.done(), "no admission, third in flight"
     _finish_and_compare_alone(engine, [first, second, third])
     assert_idle(engine)
 

@@ -120,9 +120,11 @@ def bench_engine(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with frozen_heap():  # as `flashrec serve` and `generate --input` run (engine/heap.py)
+        waited = engine.loop.stats().results_wait_seconds
         start = time.perf_counter()
         results = engine.generate(requests)
         seconds = time.perf_counter() - start
+        waited = engine.loop.stats().results_wait_seconds - waited
         single = _single_latencies(engine, RequestSpec(1, prompt_len, shared_prefix, n), seed,
                                    single_runs)  # fmt: skip
     latencies = [1e3 * sum((r.timings.queue_s, r.timings.prefill_s, r.timings.decode_s))
@@ -143,6 +145,8 @@ def bench_engine(
         "requests_per_s": num_requests / seconds,
         "percent_of_roofline": 100 * floor / seconds if floor else None,
         "roofline_requests_per_s": num_requests / floor if floor else None,
+        # of the measured call, the loop blocked on finished beams: the GPU ahead of the host
+        "results_wait_share": waited / seconds,
         "latency_p50_ms": float(np.percentile(latencies, 50)),
         "latency_p99_ms": float(np.percentile(latencies, 99)),
         "single_request_p50_ms": float(np.percentile(single, 50)),

@@ -33,6 +33,7 @@ def test_bench_engine_on_a_written_checkpoint(tmp_path: Path) -> None:
     assert result["path"] == "Engine.generate" and result["requests"] == 8
     assert (result["invalid_results"], result["short_results"]) == (0, 0)
     assert result["requests_per_s"] > 0 and result["exclude_items"] == 50
+    assert 0 <= result["results_wait_share"] <= 1  # on the CPU copies land at once: near 0
     assert result["schedule"] == "decode_first"
     assert (result["prefill_attention"], result["prefill_tokens_per_step"]) == ("backend", 16)
     # decode-first: one wave in flight at a time, so merged steps (on) had nothing to merge

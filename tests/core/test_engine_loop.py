@@ -113,24 +113,31 @@ def test_an_admitted_prefill_carries_the_step_of_the_wave_in_flight(engine: Engi
     assert_idle(engine)
 
 
+def _copies_as(monkeypatch: pytest.MonkeyPatch, beams_class: type) -> None:
+    """The loop's finished beams come back as `beams_class` (a HostBeams subclass), so a test
+    can say when their copy to the host lands."""
+    from flashrec_core.engine import loop as loop_module
+
+    real = loop_module.copy_to_host
+
+    def copy(out):  # type: ignore[no-untyped-def]
+        beams = real(out)
+        return beams_class(beams.codes_nodes, beams.path_scores, beams.copied)
+
+    monkeypatch.setattr(loop_module, "copy_to_host", copy)
+
+
 @pytest.fixture
 def copies_still_running(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every beams' copy to the host reports itself still running (`HostBeams.ready`). On the
     CPU a copy is done at once; with this, only the loop's rules for when to wait deliver."""
-    from flashrec_core.engine import loop as loop_module
     from flashrec_core.engine.results import HostBeams
 
     class StillCopying(HostBeams):
         def ready(self) -> bool:
             return False
 
-    real = loop_module.copy_to_host
-
-    def copy_still_running(out):  # type: ignore[no-untyped-def]
-        beams = real(out)
-        return StillCopying(beams.codes_nodes, beams.path_scores, beams.copied)
-
-    monkeypatch.setattr(loop_module, "copy_to_host", copy_still_running)
+    _copies_as(monkeypatch, StillCopying)
 
 
 @pytest.mark.usefixtures("copies_still_running")
@@ -182,20 +189,13 @@ def test_the_loop_counts_its_waits_for_results_copies(
 ) -> None:
     """`results_wait_seconds` is the time the loop blocked on finished beams' copies (on CUDA,
     how far the GPU ran ahead of the host): here every copy takes 30 ms to land."""
-    from flashrec_core.engine import loop as loop_module
     from flashrec_core.engine.results import HostBeams
 
     class SlowCopy(HostBeams):
         def wait(self) -> None:
             time.sleep(0.03)
 
-    real = loop_module.copy_to_host
-
-    def slow_copy(out):  # type: ignore[no-untyped-def]
-        beams = real(out)
-        return SlowCopy(beams.codes_nodes, beams.path_scores, beams.copied)
-
-    monkeypatch.setattr(loop_module, "copy_to_host", slow_copy)
+    _copies_as(monkeypatch, SlowCopy)
     before = engine.loop.stats()
     [result] = engine.generate([engine.make_request(prompt="w71 w72", n=4)])
     after = engine.loop.stats()

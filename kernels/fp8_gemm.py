@@ -6,7 +6,9 @@ weight of the model, so it is bound by reading the weights. `torch._scaled_mm` w
 scales reaches ~20% of an H100's memory bandwidth there (scripts/bench_gemm.py, 50 rows: 67 us
 a layer against ~15 us to read the layer's weights; docs/benchmarks.md, session 22): its tiles
 leave most SMs idle when the rows fit one tile. The Triton kernel gives every SM a narrow slice
-of the output columns over the whole K, so all of them stream weights at once. Larger row counts
+of the output columns over the whole K, so all of them stream weights at once; a launch with
+`split_k` > 1 also cuts K into that many ranges, one program each, and sums their fp32
+partials in a second kernel (fewer dependent K steps a program). Larger row counts
 (prefills, full waves) stay on `torch._scaled_mm`, which is compute-efficient there.
 
 Math, for both functions: acc = sum_k a_q[m, k] * w_q[n, k] in fp32 (products of two e4m3 codes
@@ -71,7 +73,8 @@ def fp8_gemm(
     **launch: int,
 ) -> torch.Tensor:  # fmt: skip
     """Triton version of `fp8_gemm_ref`. `launch` overrides the launch configuration
-    (block_m, block_n, block_k, num_warps, num_stages; scripts/bench_gemm.py sweeps them)."""
+    (block_m, block_n, block_k, num_warps, num_stages, split_k; scripts/bench_gemm.py sweeps
+    them)."""
     _check_args(a, a_scale, w, w_scale, bias, out_dtype)
     check_triton_device(a, _KERNEL)
     from .triton_fp8_gemm import launch_fp8_gemm

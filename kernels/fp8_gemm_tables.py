@@ -41,6 +41,9 @@ class LaunchConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1
+    """Programs per output tile, each over its share of K (`triton_fp8_gemm`); > 1 adds a
+    second kernel that sums their fp32 partials."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ TunedTable = dict[tuple[int, int], ShapeTable]
 
 _ENTRY = (
     '\'N=<out>,K=<in>\' -> {"max_rows": <rows>, "launches": {<rows>: {block_m, block_n, '
-    "block_k[, num_warps, num_stages]}}}"
+    "block_k[, num_warps, num_stages, split_k]}}}"
 )
 
 
@@ -88,6 +91,8 @@ def tuned_table(path: Path) -> TunedTable:
             max_rows = int(entry["max_rows"])
             if max_rows < 0:
                 raise ValueError(f"max_rows {max_rows} < 0")
+            if any(cfg.split_k < 1 for _, cfg in launches):
+                raise ValueError("split_k < 1")
             table[(int(fields["N"]), int(fields["K"]))] = ShapeTable(max_rows, tuple(launches))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(

@@ -68,17 +68,47 @@ def test_kernel_and_reference_are_within_the_bound_of_the_exact_product(
 
 
 def test_every_launch_configuration_computes_the_same_product(device: torch.device) -> None:
-    """The bench's sweep (scripts/bench_gemm.py) may pick any tile sizes: each stays in bound,
-    with masks on every edge (rows, columns and K not multiples of the tiles)."""
+    """The bench's sweep (scripts/bench_gemm.py) may pick any tile sizes and K splits: each
+    stays in bound, with masks on every edge (rows, columns and K not multiples of the tiles;
+    a last split reaching past K). A split only changes the order of the fp32 sums, which the
+    bound covers."""
     a, a_scale, w, w_scale, b = operands(37, 72, 160, True, seed=1, device=device)
     for launch in (
         dict(block_m=16, block_n=16, block_k=32),
         dict(block_m=64, block_n=64, block_k=64, num_warps=8),
         dict(block_m=32, block_n=128, block_k=256, num_stages=2),
+        dict(block_m=16, block_n=16, block_k=32, split_k=4),  # 3 splits of 64: the last masked
+        dict(block_m=64, block_n=32, block_k=32, split_k=5),  # 5 whole splits of 32
     ):
         assert_within_bound(
             fp8_gemm(a, a_scale, w, w_scale, b, **launch), a, a_scale, w, w_scale, b
         )
+
+
+def test_a_k_split_sums_its_partials_in_a_second_kernel(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """split_k > 1 runs the K splits as programs of their own and sums their partials in a
+    second launch (one program per 16 x 128 outputs); split_k = 1 launches one kernel; 0 is
+    refused by name."""
+    from flashrec_kernels import triton_fp8_gemm
+
+    real, grids = triton_fp8_gemm._split_k_sum_kernel, []
+
+    class Recorded:
+        def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_fp8_gemm, "_split_k_sum_kernel", Recorded())
+    a, a_scale, w, w_scale, b = operands(20, 200, 256, True, seed=2, device=device)
+    y = fp8_gemm(a, a_scale, w, w_scale, b, block_m=16, block_n=16, block_k=64, split_k=2)
+    assert grids == [(2, 2)]
+    assert_within_bound(y, a, a_scale, w, w_scale, b)
+    fp8_gemm(a, a_scale, w, w_scale, b, block_m=16, block_n=16, block_k=64)
+    assert len(grids) == 1
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        fp8_gemm(a, a_scale, w, w_scale, b, split_k=0)
 
 
 def test_zero_rows_return_an_empty_product(device: torch.device) -> None:
@@ -180,6 +210,11 @@ def test_no_table_off_cuda_means_cublas_everywhere() -> None:
         ('{"N=4096,K=2048": {"max_rows": 0, "launches": {"fifty": {}}}}', "ValueError"),
         ('{"N=4096,K=2048": {"launches": {}}}', "KeyError: 'max_rows'"),
         ('{"N=4096,K=2048": {"max_rows": -1, "launches": {}}}', "max_rows -1 < 0"),
+        (
+            '{"N=4096,K=2048": {"max_rows": 0, "launches": {"50": {"block_m": 16, "block_n": 16, '
+            '"block_k": 64, "split_k": 0}}}}',
+            "split_k < 1",
+        ),
     ],
 )
 def test_a_broken_launch_table_is_named(tmp_path, text: str, message: str) -> None:

@@ -68,6 +68,9 @@ with compiled_launches(90) as done:
         a, w = torch.zeros(rows, H, dtype=fp8), torch.zeros(4096, H, dtype=fp8)
         triton_fp8_gemm.launch_fp8_gemm(a, torch.ones(rows), w, torch.ones(4096),
                                         torch.zeros(4096, dtype=bf16), bf16)
+    # split-K (the launch table may pick it): the split programs and the partials' sum
+    triton_fp8_gemm.launch_fp8_gemm(a, torch.ones(50), w, torch.ones(4096), None, bf16,
+                                    block_m=64, block_n=16, block_k=128, split_k=4)
 names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
@@ -92,5 +95,6 @@ def test_shared_kernels_compile_for_sm90() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     for kernel in (
         "quant", "rms_norm", "silu_mul", "rope", "trie_topk", "beam_cascade", "prefill", "fp8_gemm",
+        "split_k_sum",
     ):  # fmt: skip
         assert kernel in proc.stdout, f"no {kernel} kernel compiled: {proc.stdout}"

@@ -4,13 +4,13 @@ session 27, the 64-slot chunks it had before session 28, other pipeline depths),
 time `forward` with `triton.testing.do_bench`, which uses CUDA events).
 
 Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
-step (requests = 8192 // n), a level-2 step (2 own slots per beam). Usage (on the GPU):
+step (requests = 8192 // n), a level-2 step (2 own slots per beam); then the small waves of a
+loaded server (`_small_waves`: n=50, 1-8 requests, every split count forced). Usage (on the GPU):
     python scripts/bench_attention.py [OUT_DIR] [--kv bf16]
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -31,8 +31,8 @@ HQ, HKV, D, ROWS, OWN = 16, 8, 128, 8192, 2
 DEV = torch.device("cuda")
 
 
-def _step(n: int, prompt: int):
-    reqs = ROWS // n
+def _step(n: int, prompt: int, requests: int | None = None):
+    reqs = requests or ROWS // n
     rows = reqs * n
     prompt_lens = torch.full((reqs,), prompt)
     prompts = torch.arange(1, 1 + reqs * prompt, device=DEV)
@@ -58,9 +58,14 @@ VARIANTS = {
 
 @contextmanager
 def _launch_with(**arguments: object) -> Iterator[None]:
-    """The Triton beam kernel's launcher with `arguments` fixed, for the side-by-side columns."""
+    """The Triton beam kernel's launcher with `arguments` fixed, for the side-by-side columns
+    (over the caller's own: the public wrapper passes num_splits=None)."""
     launch = tba.launch_beam_cascade_attention
-    tba.launch_beam_cascade_attention = functools.partial(launch, **arguments)
+
+    def forced(*args: object, **kwargs: object) -> None:
+        launch(*args, **{**kwargs, **arguments})
+
+    tba.launch_beam_cascade_attention = forced
     try:
         yield
     finally:
@@ -109,8 +114,49 @@ def main() -> None:
                   + f" {flat / cascade:>12.2f} {cascade / tri:>14.2f}", flush=True)  # fmt: skip
             del pool
             torch.cuda.empty_cache()
+    small = _small_waves(kv_dtype)
     name = "bench_attention_bf16.json" if kv_dtype == torch.bfloat16 else "bench_attention.json"
-    (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}))
+    (out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results,
+                                        "small_waves": small}))  # fmt: skip
+
+
+SMALL_WAVE_REQUESTS = (1, 2, 4, 6, 8)
+FORCED_SPLITS = (1, 2, 4, 8, 16)
+
+
+def _small_waves(kv_dtype: torch.dtype) -> list[dict]:
+    """The beam kernel at the beam steps of a server at 0.7x of saturation (session 31: a merged
+    step of 100-400 rows, 0.6 ms of a 3.0 ms forward in the beam attention): n=50, 1-8 requests
+    over 1,024-token prompts, the default launch (`auto_num_splits` keeps the grid within the
+    SMs) beside every split count forced. A grid of a few dozen programs, each walking its
+    whole prompt, is bound by that walk's latency, not by the few MB of KV it reads."""
+    rows_out = []
+    print(
+        f"{'requests':>8} {'default ms':>10} "
+        + "".join(f"{f'{s} splits':>10}" for s in FORCED_SPLITS)
+    )
+    for requests in SMALL_WAVE_REQUESTS:
+        step, slots = _step(50, 1024, requests)
+        pool = KVPool(1, HKV, D, slots + 1, kv_dtype, DEV)
+        pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
+        pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
+        q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
+        backend = FlashInferAttentionBackend(DEV, cascade=True, num_q_heads=HQ, num_kv_heads=HKV,
+                                             head_dim=D, q_dtype=torch.bfloat16,
+                                             kv_dtype=kv_dtype, max_rows=ROWS)  # fmt: skip
+        beam = TritonBeamAttention(backend, DEV, ROWS, slots + 1)
+        default = _time(beam, step, pool, q)
+        forced = {}
+        for splits in FORCED_SPLITS:
+            with _launch_with(num_splits=splits):
+                forced[splits] = _time(beam, step, pool, q)
+        rows_out.append({"n": 50, "prompt": 1024, "requests": requests, "default_ms": default,
+                         **{f"splits_{k}_ms": ms for k, ms in forced.items()}})  # fmt: skip
+        print(f"{requests:>8} {default:>10.4f} " + "".join(f"{ms:>10.4f}" for ms in forced.values()),
+              flush=True)  # fmt: skip
+        del pool
+        torch.cuda.empty_cache()
+    return rows_out
 
 
 if __name__ == "__main__":

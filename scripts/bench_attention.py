@@ -128,8 +128,9 @@ def _small_waves(kv_dtype: torch.dtype) -> list[dict]:
     """The beam kernel at the beam steps of a server at 0.7x of saturation (session 31: a merged
     step of 100-400 rows, 0.6 ms of a 3.0 ms forward in the beam attention): n=50, 1-8 requests
     over 1,024-token prompts, the default launch (`auto_num_splits` keeps the grid within the
-    SMs) beside every split count forced. A grid of a few dozen programs, each walking its
-    whole prompt, is bound by that walk's latency, not by the few MB of KV it reads."""
+    SMs: 2 splits at 6 requests) beside every split count forced. A grid of about one program an
+    SM, each walking its share of a prompt, is bound by that walk's latency, not by the few MB
+    of KV it reads."""
     rows_out = []
     print(
         f"{'requests':>8} {'default ms':>10} "

@@ -86,10 +86,9 @@ def _fp8_gemm_kernel(
         acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    tile_ok = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         part = out_ptr + split.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(part, acc, mask=tile_ok)
+        tl.store(part, acc, mask=row_ok[:, None] & col_ok[None, :])
     else:
         _store_scaled(acc, rows, cols, row_ok, col_ok, a_scale_ptr, w_scale_ptr, bias_ptr,
                       out_ptr, stride_om, HAS_BIAS)  # fmt: skip
@@ -155,7 +154,7 @@ def launch_fp8_gemm(
     cfg = LaunchConfig(**{**asdict(planned), **launch}) if launch else planned
     if cfg.split_k < 1:
         raise ValueError(f"fp8_gemm: split_k must be >= 1, got {cfg.split_k}")
-    # each split a whole number of K steps; the last ones may reach past K (masked)
+    # each split a whole number of K steps; the last may reach past K (masked)
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_split)  # no split left without K
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)

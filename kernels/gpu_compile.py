@@ -56,7 +56,7 @@ class _Recorder:
         params = fn.params
         values = dict(zip((p.name for p in params), args))
         values.update(kwargs)
-        signature, constexprs = {}, {}
+        signature, constexprs, attrs = {}, {}, {}
         for i, p in enumerate(params):
             value = values.get(p.name, p.default)
             if p.is_constexpr or value is None:
@@ -64,7 +64,11 @@ class _Recorder:
                 constexprs[(i,)] = value
             else:
                 signature[p.name] = _type_of(value)
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+                if _divisible_by_16(value) and i not in _unspecialized(fn):
+                    # as the JIT specializes on the device: pointers and integers that are
+                    # multiples of 16 let the compiler vectorize loads (tt.divisibility)
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
         ptx = compiled.asm["ptx"]
         registers, spills = _ptxas_resources(ptx, self.arch)
@@ -95,6 +99,24 @@ def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
     if registers is None or spills is None:
         raise RuntimeError(f"unexpected ptxas -v report: {report[-500:]}")
     return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def _unspecialized(fn: Any) -> set[int]:
+    """Indices of the parameters the kernel asks the JIT not to specialize."""
+    names = [p.name for p in fn.params]
+    out: set[int] = set()
+    for entry in list(getattr(fn, "do_not_specialize", [])) + list(
+        getattr(fn, "do_not_specialize_on_alignment", [])
+    ):
+        out.add(entry if isinstance(entry, int) else names.index(entry))
+    return out
+
+
+def _divisible_by_16(value: Any) -> bool:
+    """A tensor whose data starts 16-byte aligned, or an integer multiple of 16 (not a bool)."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def _type_of(value: Any) -> str:

@@ -47,9 +47,10 @@ NUM_STAGES = 2
 # Launch chosen on an H200 (scripts/bench_prefill_attention.py, docs/benchmarks.md, session 20):
 # at head_dim 128, 128-row tiles over 128-key chunks at 8 warps and 2 stages were the fastest
 # of 8 configurations for prompts of 960-4,096 new tokens (47 us for one 960-token prompt
-# against 60 us with 64-key chunks) and within 6% of the best elsewhere. Every configuration
-# spills some registers for sm_90 (400-1,200 bytes a thread by ptxas); the measured time is
-# what decided. head_dim 256 (unmeasured) takes 64-key chunks at 8 warps: 4 warps spilled 8 KB.
+# against 60 us with 64-key chunks) and within 6% of the best elsewhere; the measured time is
+# what decided. For sm_90 (ptxas, arguments specialized as on the device) it spills nothing;
+# 4-warp launches with 128-row tiles spill 0.5-4 KB. head_dim 256 (unmeasured) takes 64-key
+# chunks at 8 warps.
 _M_INIT = tl.constexpr(-1.0e30)  # finite: exp2(m - m_new) never sees inf - inf
 
 

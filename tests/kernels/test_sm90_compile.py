@@ -75,9 +75,11 @@ names = sorted({c.kernel for c in done})
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
 # the attention kernels, whose launches were chosen by time on the device: the beam kernel's
-# own-slot fold spills (~8 KB a thread) and is still faster than a spill-free fold on tensor
-# cores (docs/benchmarks.md, session 19); every prefill launch timed spilled 0.4-1.2 KB, and
-# the fastest of them is the default (session 20)
+# own-slot fold spills (84-248 bytes a thread here) and was still faster than a fold on tensor
+# cores (docs/benchmarks.md, session 19); the prefill kernel's default launch spills none, its
+# soft-cap, window, head_dim-256 and split variants 88-216 bytes (compiled, as on the device,
+# with 16-byte-aligned arguments specialized; before session 31 these counts came from an
+# unspecialized compile and read 8 KB and 0.4-1.2 KB)
 timed = ("_beam_cascade_attention_kernel", "_prefill_attention_kernel")
 spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done
            if c.spill_bytes and c.kernel not in timed]

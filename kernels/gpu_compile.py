@@ -57,6 +57,7 @@ class _Recorder:
         values = dict(zip((p.name for p in params), args))
         values.update(kwargs)
         signature, constexprs, attrs = {}, {}, {}
+        unspecialized = _unspecialized(fn)
         for i, p in enumerate(params):
             value = values.get(p.name, p.default)
             if p.is_constexpr or value is None:
@@ -64,7 +65,7 @@ class _Recorder:
                 constexprs[(i,)] = value
             else:
                 signature[p.name] = _type_of(value)
-                if _divisible_by_16(value) and i not in _unspecialized(fn):
+                if _divisible_by_16(value) and i not in unspecialized:
                     # as the JIT specializes on the device: pointers and integers that are
                     # multiples of 16 let the compiler vectorize loads (tt.divisibility)
                     attrs[(i,)] = [["tt.divisibility", 16]]

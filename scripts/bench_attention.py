@@ -80,6 +80,24 @@ def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
     )
 
 
+def _layer(kv_dtype: torch.dtype, n: int, prompt: int, requests: int | None = None):
+    """One layer's inputs of a beam step (`_step`): the step, a pool of random KV over its
+    slots, random queries."""
+    step, slots = _step(n, prompt, requests)
+    pool = KVPool(1, HKV, D, slots + 1, kv_dtype, DEV)
+    pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
+    pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
+    q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
+    return step, slots, pool, q
+
+
+def _flashinfer(kv_dtype: torch.dtype, cascade: bool) -> FlashInferAttentionBackend:
+    return FlashInferAttentionBackend(
+        DEV, cascade=cascade, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        q_dtype=torch.bfloat16, kv_dtype=kv_dtype, max_rows=ROWS,
+    )  # fmt: skip
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
@@ -89,15 +107,9 @@ def main() -> None:
           + f" {'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
     for n in (64, 256, 512):
         for prompt in (512, 1024, 2048):
-            step, slots = _step(n, prompt)
-            pool = KVPool(1, HKV, D, slots + 1, kv_dtype, DEV)
-            pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
-            pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
-            q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
-            kw = dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, q_dtype=torch.bfloat16,
-                      kv_dtype=kv_dtype, max_rows=ROWS)  # fmt: skip
-            flat = _time(FlashInferAttentionBackend(DEV, cascade=False, **kw), step, pool, q)
-            cascade_backend = FlashInferAttentionBackend(DEV, cascade=True, **kw)
+            step, slots, pool, q = _layer(kv_dtype, n, prompt)
+            flat = _time(_flashinfer(kv_dtype, cascade=False), step, pool, q)
+            cascade_backend = _flashinfer(kv_dtype, cascade=True)
             cascade = _time(cascade_backend, step, pool, q)
             beam = TritonBeamAttention(cascade_backend, DEV, ROWS, slots + 1)
             tri = _time(beam, step, pool, q)
@@ -137,15 +149,8 @@ def _small_waves(kv_dtype: torch.dtype) -> list[dict]:
         + "".join(f"{f'{s} splits':>10}" for s in FORCED_SPLITS)
     )
     for requests in SMALL_WAVE_REQUESTS:
-        step, slots = _step(50, 1024, requests)
-        pool = KVPool(1, HKV, D, slots + 1, kv_dtype, DEV)
-        pool.k_cache[0].copy_(torch.randn(pool.k_cache[0].shape, device=DEV).to(kv_dtype))
-        pool.v_cache[0].copy_(torch.randn(pool.v_cache[0].shape, device=DEV).to(kv_dtype))
-        q = torch.randn(step.input_ids.numel(), HQ, D, device=DEV, dtype=torch.bfloat16)
-        backend = FlashInferAttentionBackend(DEV, cascade=True, num_q_heads=HQ, num_kv_heads=HKV,
-                                             head_dim=D, q_dtype=torch.bfloat16,
-                                             kv_dtype=kv_dtype, max_rows=ROWS)  # fmt: skip
-        beam = TritonBeamAttention(backend, DEV, ROWS, slots + 1)
+        step, slots, pool, q = _layer(kv_dtype, 50, 1024, requests)
+        beam = TritonBeamAttention(_flashinfer(kv_dtype, cascade=True), DEV, ROWS, slots + 1)
         default = _time(beam, step, pool, q)
         forced = {}
         for splits in FORCED_SPLITS:

@@ -5,12 +5,17 @@ kernel in several launch configurations, unsplit and split, on the same paged FP
 Shape: the bench preset's attention (16 q / 8 kv heads, head_dim 128), FP8 KV over scattered slots.
 Each case is one prefill step: fresh prompts, prompts after a cached prefix, and a few new tokens
 over a long cached prompt. Timed with `triton.testing.do_bench` (CUDA events); every Triton
-configuration's output is checked against FlashInfer's before it is timed. Usage (on the GPU):
+configuration's output is checked against FlashInfer's before it is timed. Each case also times
+the default launch over the same keys and values laid out otherwise (`_layout_rows`): FP8 in
+consecutive slots, and bf16 (the FP8 values, exactly) in consecutive and scattered slots: what
+the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Usage (on the
+GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -126,7 +131,38 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
             best = (key, us)
     row["best"], row["best_us"] = best
     row["best_tflops"] = flops / (best[1] * 1e-6) / 1e12
+    row.update(_layout_rows(name, step, pool, q, ref))
     return row
+
+
+def _layout_rows(name: str, step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The default launch over the case's keys and values in other layouts, each holding the
+    same values: FP8 in consecutive slots (the sequences' slots renumbered 1, 2, ... in order),
+    and bf16 converted from the FP8 pool (exact) in consecutive and scattered slots. Checked
+    against FlashInfer's output like the launches above."""
+    order = step.kv_indices.long()
+    packed = torch.arange(1, order.numel() + 1, dtype=step.kv_indices.dtype)
+    contiguous = dataclasses.replace(step, kv_indices=packed)
+    rows = {}
+    for label, kv_dtype, layout in (
+        ("fp8_consecutive", None, contiguous),
+        ("bf16_scattered", torch.bfloat16, step),
+        ("bf16_consecutive", torch.bfloat16, contiguous),
+    ):
+        dtype = pool.dtype if kv_dtype is None else kv_dtype
+        other = KVPool(1, HKV, D, pool.k_cache[0].shape[0], dtype, DEV)
+        for src, dst in ((pool.k_cache[0], other.k_cache[0]), (pool.v_cache[0], other.v_cache[0])):
+            if layout is step:
+                dst.copy_(src.to(dtype))
+            else:  # slot i + 1 takes the value of the case's i-th slot
+                dst[1 : order.numel() + 1].copy_(src[order.to(DEV)].to(dtype))
+        _label(name, "Triton default,", label)
+        us, got = _triton_us(layout, other, q, CONFIGS[0], None)
+        rows[f"layout_{label}_us"], rows[f"layout_{label}_maxdiff"] = (
+            us,
+            float((got - ref).abs().max()),
+        )
+    return rows
 
 
 def main() -> None:
@@ -142,7 +178,11 @@ def main() -> None:
             f"{row['triton_bf16_dots_us']:.1f}, max |diff| {row['triton_bf16_dots_maxdiff']:.4f}; unsplit "
             f"{row['triton_default_nosplit_us']:.1f}), best {row['best']} "
             f"{row['best_us']:7.1f} us ({row['best_tflops']:.0f} TFLOP/s), max |diff| "
-            f"{row['triton_m128_n128_w8_s2_maxdiff']:.4f}",
+            f"{row['triton_m128_n128_w8_s2_maxdiff']:.4f}; default over FP8 in consecutive slots "
+            f"{row['layout_fp8_consecutive_us']:.1f} us, bf16 scattered "
+            f"{row['layout_bf16_scattered_us']:.1f}, bf16 consecutive "
+            f"{row['layout_bf16_consecutive_us']:.1f} (max |diff| "
+            f"{max(row[k] for k in row if k.startswith('layout_') and k.endswith('maxdiff')):.4f})",
             flush=True,
         )
         torch.cuda.empty_cache()

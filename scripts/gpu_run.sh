@@ -302,7 +302,8 @@ for what in "${@:-tests}"; do
       gzip -f "$out"/trace_request_*.json ;;
     prefillattn)  # the Triton prefill kernel natively against its reference, then alone against
       # FlashInfer's prefill (scripts/bench_prefill_attention.py)
-      pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
+      # PREFILL_TESTS=0: the bench alone, without the kernel's tests
+      [[ ${PREFILL_TESTS:-1} == 0 ]] || pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
       # PREFILL_CASES: a substring of the case names to run (default all)
       timeout "$(left)" python3 scripts/bench_prefill_attention.py "$out" "${PREFILL_CASES:-}" 2>&1 \
         | tee "$out/bench_prefill_attention.log" | grep -v "^  running" | tail -12 ;;

@@ -306,7 +306,15 @@ for what in "${@:-tests}"; do
       [[ ${PREFILL_TESTS:-1} == 0 ]] || pytest_gpu "$out/prefill_kernel_tests.log" tests/kernels/test_prefill_attention.py
       # PREFILL_CASES: a substring of the case names to run (default all)
       timeout "$(left)" python3 scripts/bench_prefill_attention.py "$out" "${PREFILL_CASES:-}" 2>&1 \
-        | tee "$out/bench_prefill_attention.log" | grep -v "^  running" | tail -12 ;;
+        | tee "$out/bench_prefill_attention.log" | grep -v "^  running" | tail -12
+      # PREFILL_AB=DIR: the bench again with DIR first on PYTHONPATH (a base tree's kernels as
+      # DIR/flashrec_kernels, docs/development.md), into $out/base
+      if [[ -n ${PREFILL_AB:-} ]]; then
+        mkdir -p "$out/base"
+        PYTHONPATH="$PREFILL_AB:$PYTHONPATH" timeout "$(left)" python3 scripts/bench_prefill_attention.py \
+          "$out/base" "${PREFILL_CASES:-}" 2>&1 | tee "$out/base/bench_prefill_attention.log" \
+          | grep -v "^  running" | tail -12
+      fi ;;
     prefillacc)  # beam scores vs fp32 transformers with the Triton and FlashInfer prefills, every
       # architecture (scripts/diagnose_prefill_accuracy.py; ACC_QUANT=none for BF16 weights)
       timeout "$(left)" python3 scripts/diagnose_prefill_accuracy.py "$out" "--quantization" \

@@ -8,11 +8,12 @@ share (merged steps). An iteration of the loop steps the waves in flight, then a
 queued request as one wave (`interleaved`, the default schedule) or admits only when no wave is
 in flight (`decode_first`), and costs `host_ms` more. A request is done when its last step ends.
 
-The bound: no schedule finishes a request's prefill earlier than a GPU that ran the prefills
-alone, first come first served, without ever stepping (an M/D/1 queue), nor its steps less than
-`depth - 1` forwards after that. First-come-first-served is tail-optimal for identical jobs, so
-no order of the prefills beats it. The model's requests are admitted in arrival order, so each
-one's latency under the loop is at least its bound (tests/core/test_latency_model.py).
+The bound: a GPU that runs only the prefills, first come first served, never stepping (an
+M/D/1 queue), then `depth - 1` forwards of `step_ms` after each request's prefill. Every
+schedule does at least this work on one GPU, and for identical requests first-come-first-served
+is the order with the lightest tail, so no schedule's p99 is under the bound's. The loop admits
+in arrival order too, so each of its requests takes at least its own bound
+(tests/core/test_latency_model.py).
 
     python -m flashrec_core.bench.latency_model --rate 140 --prefill-ms 4.6 --step-ms 2.8
 """

@@ -75,25 +75,15 @@ def _chunk(
     else:
         slots = tl.load(idx_ptr + offs_n).to(tl.int64)
         k = tl.load(k_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
-    qk = tl.dot(q, tl.trans(_operand(k, F16, INTERPRET)))
+    s = _scores(tl.dot(q, tl.trans(_operand(k, F16, INTERPRET))), qk_scale, cap_log2, SOFTCAP)
     if MASKED:
         seen = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
         if WINDOW:
             seen = seen & (offs_n[None, :] > pos[:, None] - window)
-    if SOFTCAP:
-        s = _scores(qk, qk_scale, cap_log2, SOFTCAP)
-        if MASKED:
-            s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-    else:
-        # The scale is positive: scale the row maxima, not every score, and fold the scale and
-        # the max into one fma per score (the tutorial's form; one multiply a score less)
-        if MASKED:
-            qk = tl.where(seen, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
-        p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
     v_ptrs = v_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
     if MASKED:
         v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)

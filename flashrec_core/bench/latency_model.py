@@ -57,6 +57,8 @@ def loop_latencies(
     depth: int,
 ) -> list[float]:
     """Each request's latency under the engine loop's schedule (module docstring)."""
+    if depth < 2:
+        raise ValueError(f"depth must be at least 2 (a prefill, then a beam step), got {depth}")
     now, next_arrival, out = 0.0, 0, [0.0] * len(arrivals)
     waves: list[tuple[list[int], int]] = []  # (request indices, steps left)
     while next_arrival < len(arrivals) or waves:

@@ -38,3 +38,8 @@ def test_no_request_beats_its_bound(schedule: str) -> None:
     lat = loop_latencies(arrivals, schedule, prefill_ms=4.6, step_ms=2.8, host_ms=0.2, depth=3)
     assert all(b <= x + 1e-9 for b, x in zip(bound, lat))
     assert statistics.fmean(lat) > statistics.fmean(bound)  # the loop's batching costs something
+
+
+def test_a_depth_without_beam_steps_is_refused() -> None:
+    with pytest.raises(ValueError, match="depth must be at least 2"):
+        loop_latencies([0.0], "interleaved", prefill_ms=1.0, step_ms=1.0, host_ms=0.0, depth=1)

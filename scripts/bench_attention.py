@@ -80,6 +80,22 @@ def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
     )
 
 
+def _time_in_graph(backend, step, pool: KVPool, q: torch.Tensor) -> float | None:
+    """`_time` with the forward replayed from a CUDA graph, as a beam step's graph runs it (no
+    Python launch cost, which at a few requests is as long as the kernels); None, said on
+    stdout, if the forward cannot be captured."""
+    meta = backend.plan(step)
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
+    forward = lambda: backend.forward(q, 0, D**-0.5, batch)  # noqa: E731
+    forward()  # compiled before the capture
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(forward, rep=100)
+    except Exception as exc:  # a forward that cannot be captured: the caller times it eagerly
+        print(f"  not timed in a graph ({type(exc).__name__}: {exc})", flush=True)
+        return None
+
+
 def _layer(kv_dtype: torch.dtype, n: int, prompt: int, requests: int | None = None):
     """One layer's inputs of a beam step (`_step`): the step, a pool of random KV over its
     slots, random queries."""
@@ -142,8 +158,21 @@ def _small_waves(kv_dtype: torch.dtype) -> list[dict]:
     over 1,024-token prompts, the default launch (`auto_num_splits` keeps the grid within the
     SMs: 2 splits at 6 requests) beside every split count forced. A grid of about one program an
     SM, each walking its share of a prompt, is bound by that walk's latency, not by the few MB
-    of KV it reads."""
+    of KV it reads. Timed from CUDA graph replays where the forward captures (session 32's
+    eager times, 34-49 us a layer, were half Python launches: 24 us a layer inside a step's
+    graph), eagerly otherwise; `in_graph` in each row says which."""
     rows_out = []
+    in_graph = True
+
+    def timed(backend, step, pool: KVPool, q: torch.Tensor) -> float:
+        nonlocal in_graph
+        if in_graph:
+            ms = _time_in_graph(backend, step, pool, q)
+            if ms is not None:
+                return ms
+            in_graph = False
+        return _time(backend, step, pool, q)
+
     print(
         f"{'requests':>8} {'default ms':>10} "
         + "".join(f"{f'{s} splits':>10}" for s in FORCED_SPLITS)
@@ -151,15 +180,16 @@ def _small_waves(kv_dtype: torch.dtype) -> list[dict]:
     for requests in SMALL_WAVE_REQUESTS:
         step, slots, pool, q = _layer(kv_dtype, 50, 1024, requests)
         beam = TritonBeamAttention(_flashinfer(kv_dtype, cascade=True), DEV, ROWS, slots + 1)
-        default = _time(beam, step, pool, q)
+        default = timed(beam, step, pool, q)
         forced = {}
         for splits in FORCED_SPLITS:
             with _launch_with(num_splits=splits):
-                forced[splits] = _time(beam, step, pool, q)
+                forced[splits] = timed(beam, step, pool, q)
         # timed again last, keeping the faster: session 32 read the default at 6 requests 1.8x
         # the same launch forced (2 splits) right after it, a first timing's outlier
-        default = min(default, _time(beam, step, pool, q))
+        default = min(default, timed(beam, step, pool, q))
         rows_out.append({"n": 50, "prompt": 1024, "requests": requests, "default_ms": default,
+                         "in_graph": in_graph,
                          **{f"splits_{k}_ms": ms for k, ms in forced.items()}})  # fmt: skip
         print(f"{requests:>8} {default:>10.4f} " + "".join(f"{ms:>10.4f}" for ms in forced.values()),
               flush=True)  # fmt: skip

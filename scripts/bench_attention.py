@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,21 +72,22 @@ def _launch_with(**arguments: object) -> Iterator[None]:
         tba.launch_beam_cascade_attention = launch
 
 
-def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
+def _forward(backend, step, pool: KVPool, q: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One layer's attention of `step` through `backend`, planned once, as a call to time."""
     meta = backend.plan(step)
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
-    return triton.testing.do_bench(
-        lambda: backend.forward(q, 0, D**-0.5, batch), warmup=25, rep=100
-    )
+    return lambda: backend.forward(q, 0, D**-0.5, batch)
+
+
+def _time(backend, step, pool: KVPool, q: torch.Tensor) -> float:
+    return triton.testing.do_bench(_forward(backend, step, pool, q), warmup=25, rep=100)
 
 
 def _time_in_graph(backend, step, pool: KVPool, q: torch.Tensor) -> float | None:
     """`_time` with the forward replayed from a CUDA graph, as a beam step's graph runs it (no
     Python launch cost, which at a few requests is as long as the kernels); None, said on
     stdout, if the forward cannot be captured."""
-    meta = backend.plan(step)
-    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, backend, meta)
-    forward = lambda: backend.forward(q, 0, D**-0.5, batch)  # noqa: E731
+    forward = _forward(backend, step, pool, q)
     forward()  # compiled before the capture
     torch.cuda.synchronize()
     try:

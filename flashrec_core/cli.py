@@ -327,6 +327,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="enable POST /start_profile and /stop_profile: torch.profiler traces of the engine "
         "thread are written to DIR",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction,
+        help="run the engine in a process of its own, apart from the HTTP side's GIL "
+        "(default: off, one process)",
+    )  # fmt: skip
     p.add_argument("--config", help="settings file (.json or .toml), see docs/serving.md")
 
 
@@ -366,6 +371,7 @@ _SERVER_FLAGS = {
     "shutdown_grace": "shutdown_grace_s", "warmup_n": "warmup_n",
     "profile_engine": "profile_engine", "admission_delay_factor": "admission_delay_factor",
     "torch_profile_dir": "torch_profile_dir", "gc_young_threshold": "gc_young_threshold",
+    "engine_process": "engine_process",
 }  # fmt: skip
 
 

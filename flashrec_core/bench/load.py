@@ -226,7 +226,8 @@ _ENGINE_TOTALS = (
     "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
     "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
     "flashrec_engine_cpu_seconds_total", "flashrec_engine_results_wait_seconds_total",
-    "process_cpu_seconds_total",
+    "process_cpu_seconds_total", "flashrec_engine_side_cpu_seconds_total",
+    "flashrec_engine_own_process",
     "flashrec_request_latency_seconds_sum{endpoint=/v1/completions}",
     "flashrec_request_latency_seconds_count{endpoint=/v1/completions}",
     "flashrec_request_stage_seconds_sum{stage=queue}",
@@ -261,6 +262,7 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
     waves, iters = max(d["waves_admitted"], 1), max(d["iterations"], 1)
     answered = max(d[f"{m}latency_seconds_count{{endpoint=/v1/completions}}"], 1)
     probes = max(d["flashrec_event_loop_lag_seconds_count"], 1)
+    own = after["flashrec_engine_own_process"]  # a gauge: 1 with --engine-process
 
     def per_request_ms(key: str) -> float:
         return 1e3 * d[key] / answered
@@ -277,9 +279,14 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "engine_cpu_ms_per_iteration": 1e3 * d["cpu_seconds"] / iters,
         # blocked on finished beams' copies: the GPU ahead of the host (0: the host the bound)
         "results_wait_ms_per_iteration": 1e3 * d["results_wait_seconds"] / iters,
-        # the server process's CPU time outside the engine thread: HTTP, parsing, answers (and,
-        # for a model run on the CPU, torch's intra-op worker threads)
-        "other_cpu_ms_per_request": 1e3 * (d["process_cpu_seconds"] - d["cpu_seconds"]) / answered,
+        # the server's CPU time outside the engine thread: HTTP, parsing, answers (and, for a
+        # model run on the CPU, torch's intra-op worker threads); with an engine process, both
+        # processes' (the HTTP process's whole, the engine process's other threads)
+        "other_cpu_ms_per_request": 1e3 * (d["process_cpu_seconds"] - d["cpu_seconds"]
+                                           + own * d["side_cpu_seconds"]) / answered,
+        # of that, the engine process's threads beside the engine thread (pipe, commands)
+        "engine_process_other_cpu_ms_per_request":
+            1e3 * own * (d["side_cpu_seconds"] - d["cpu_seconds"]) / answered,
         "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
         **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
            for stage in ("queue", "prefill", "decode")},

@@ -55,6 +55,30 @@ class Limits:
     max_queue: int
 
 
+def check_request(request: GenerationRequest, lim: Limits, kv_slots: int) -> None:
+    """Raise RequestRejectedError if an engine with these budgets and `kv_slots` KV slots can
+    never serve `request`."""
+    prompt = len(request.prompt_ids)
+    if request.n > lim.max_wave_rows:
+        raise RequestRejectedError(
+            f"n={request.n} exceeds the beam-row budget of {lim.max_wave_rows} rows per "
+            "step (--max-wave-rows)", "n",
+        )  # fmt: skip
+    if prompt + lim.depth > lim.max_position or prompt > lim.max_context:
+        limit = min(lim.max_position - lim.depth, lim.max_context)
+        raise RequestRejectedError(
+            f"the prompt has {prompt} tokens; this engine takes at most {limit} "
+            "(--max-context and the model's max_position_embeddings, less the SID depth)",
+            "messages",
+        )  # fmt: skip
+    need = prompt + request.n * (lim.depth - 1)
+    if need > kv_slots:
+        raise RequestRejectedError(
+            f"the request needs {need} KV slots (prompt + n x {lim.depth - 1} beam steps) "
+            f"but the pool holds {kv_slots} (--kv-cache-tokens)", "n",
+        )  # fmt: skip
+
+
 @dataclass(eq=False)
 class RequestHandle:
     """A submitted request: its future, and `cancel()` (effective at the next step boundary)."""
@@ -118,6 +142,7 @@ class LoopStats:
     mixed_forwards: int = 0  # of those, prefill forwards that carried them (mixed_prefill_steps)
     busy_seconds: float = 0.0  # inside run_once: the engine thread's working time
     cpu_seconds: float = 0.0  # CPU time of the threads running run_once, inside it
+    process_cpu_seconds: float = 0.0  # CPU time of the whole process running the loop
     results_wait_seconds: float = 0.0  # of busy_seconds, blocked on finished beams' copies
     kv_slots_used: int = 0  # held by requests in flight (neither free nor cached)
     kv_slots_peak_used: int = 0  # the most kv_slots_used since start (after an admission)

@@ -78,8 +78,8 @@ from flashrec_core.engine.handles import (
     QueueFullError,
     RequestCancelledError,
     RequestHandle,
-    RequestRejectedError,
     RequestTimeoutError,
+    check_request,
 )
 from flashrec_core.engine.requests import (
     GenerationRequest,
@@ -178,26 +178,7 @@ class EngineLoop:
 
     def check(self, request: GenerationRequest) -> None:
         """Raise RequestRejectedError if this engine can never serve `request`."""
-        lim, runner = self.limits, self.wave.runner
-        prompt = len(request.prompt_ids)
-        if request.n > lim.max_wave_rows:
-            raise RequestRejectedError(
-                f"n={request.n} exceeds the beam-row budget of {lim.max_wave_rows} rows per "
-                "step (--max-wave-rows)", "n",
-            )  # fmt: skip
-        if prompt + lim.depth > lim.max_position or prompt > lim.max_context:
-            limit = min(lim.max_position - lim.depth, lim.max_context)
-            raise RequestRejectedError(
-                f"the prompt has {prompt} tokens; this engine takes at most {limit} "
-                "(--max-context and the model's max_position_embeddings, less the SID depth)",
-                "messages",
-            )  # fmt: skip
-        need = prompt + request.n * (lim.depth - 1)
-        if need > runner.allocator.num_slots - 1:
-            raise RequestRejectedError(
-                f"the request needs {need} KV slots (prompt + n x {lim.depth - 1} beam steps) "
-                f"but the pool holds {runner.allocator.num_slots - 1} (--kv-cache-tokens)", "n",
-            )  # fmt: skip
+        check_request(request, self.limits, self.wave.runner.allocator.num_slots - 1)
 
     def submit(
         self,
@@ -284,6 +265,7 @@ class EngineLoop:
             mixed_forwards=self._mixed_forwards,
             busy_seconds=self._busy_s,
             cpu_seconds=self._cpu_s,
+            process_cpu_seconds=time.process_time(),
             results_wait_seconds=self._results_wait_s,
             kv_slots_used=self._kv_used(),
             kv_slots_peak_used=self._peak_kv_used,

@@ -20,18 +20,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 from typing import Any
 
-import torch
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from flashrec_core.bench.roofline import served_model
-from flashrec_core.engine.catalogs import CatalogNotFoundError
+from flashrec_core.engine.catalogs import CatalogNotFoundError, CatalogVersion
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.handles import (
     DeviceMemoryError,
@@ -46,7 +44,9 @@ from flashrec_core.engine.requests import GenerationRequest, GenerationResult
 from flashrec_core.engine.trace import TraceStateError
 from flashrec_core.server import responses
 from flashrec_core.server.encoding import JSON, JSONRoute, dumps
+from flashrec_core.server.engine_process import RemoteEngine
 from flashrec_core.server.errors import APIError, install_error_handlers
+from flashrec_core.server.loading import device_memory, model_facts
 from flashrec_core.server.metrics import ServerMetrics
 from flashrec_core.server.middleware import RequestLogMiddleware
 from flashrec_core.server.protocol import (
@@ -64,7 +64,7 @@ from flashrec_core.server.protocol import (
 )
 from flashrec_core.server.settings import ServerSettings
 from flashrec_core.server.translate import Defaults, chat_request, completion_requests
-from flashrec_core.server.warmup import warm_up
+from flashrec_core.server.warmup import warm_catalog, warm_up
 
 logger = logging.getLogger("flashrec.server")
 
@@ -112,19 +112,28 @@ def _translate_inline(request: Request, body: Any) -> bool:
     return length.isdigit() and int(length) <= INLINE_TRANSLATE_BYTES
 
 
+Served = Engine | RemoteEngine
+"""The engine a server runs: in this process, or a front with a pipe to the engine process."""
+
+
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: Served
     settings: ServerSettings
     metrics: ServerMetrics
+    facts: dict[str, Any]  # loading.model_facts, for /v1/models
     ready: threading.Event = field(default_factory=threading.Event)
     stopping: bool = False
     warmup_error: str | None = None
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(engine.loop.stats, (engine.catalogs.current, engine.catalogs.live))
-    state = ServerState(engine, settings, metrics)
+def create_app(engine: Served, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics(
+        engine.loop.stats, (engine.catalogs.current, engine.catalogs.live),
+        engine_own_process=isinstance(engine, RemoteEngine),
+    )  # fmt: skip
+    facts = engine.loop.facts if isinstance(engine, RemoteEngine) else model_facts(engine)
+    state = ServerState(engine, settings, metrics, facts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -157,45 +166,22 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
 
 def _warm_up(state: ServerState) -> None:
+    engine = state.engine
     try:
-        warm_up(state.engine, state.settings.warmup_n)
+        if isinstance(engine, RemoteEngine):  # the engine process warms itself up
+            memory = engine.loop.warmed.result()
+        else:
+            warm_up(engine, state.settings.warmup_n)
+            memory = device_memory(engine)
     except Exception as exc:  # keep serving /health; /ready says why it is not ready
         logger.exception("warm-up failed")
-        state.warmup_error = f"warm-up failed: {exc}"
+        state.warmup_error = exc.args[0] if isinstance(engine, RemoteEngine) else (
+            f"warm-up failed: {exc}")  # fmt: skip
         return
     freeze_long_lived()  # the model, tokenizer and catalogs stay: keep the collector off them
     set_young_threshold(state.settings.gc_young_threshold)
     state.ready.set()
-    logger.info("ready: serving %s%s", state.settings.model_name, _device_memory(state.engine))
-
-
-def _device_memory(engine: Engine) -> str:
-    """Where the device's memory stands after warm-up, for the log: the KV pool, the CUDA graphs'
-    private pools, torch's peak, and what prefills beside them have left (the split that
-    `--mem-fraction` sets; docs/serving.md)."""
-    device = engine.runner.device
-    if device.type != "cuda":
-        return ""
-    free, total = torch.cuda.mem_get_info(device)
-    gib = 2**30
-    return (
-        f"; device memory: KV pool {engine.runner.kv_pool.nbytes / gib:.1f} GiB, CUDA graph "
-        f"pools {graph_pool_bytes(device) / gib:.1f} GiB, peak allocated "
-        f"{torch.cuda.max_memory_allocated(device) / gib:.1f} GiB, "
-        f"{torch.cuda.memory_reserved(device) / gib:.1f} GiB reserved by torch, "
-        f"{free / gib:.1f} of {total / gib:.1f} GiB free"
-    )
-
-
-def graph_pool_bytes(device: torch.device) -> int:
-    """Bytes of the segments torch's allocator holds in private pools (CUDA graphs' memory):
-    segments of the default pool carry pool id (0, 0)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return sum(
-        seg["total_size"]
-        for seg in torch.cuda.memory_snapshot()
-        if seg.get("device", index) == index and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-    )
+    logger.info("ready: serving %s%s", state.settings.model_name, memory)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -227,6 +213,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             )  # fmt: skip
 
     def check_serving() -> None:
+        if _engine_gone(engine):
+            raise APIError(503, "the engine process has exited; the server must be restarted",
+                           None, "engine_dead")  # fmt: skip
         if state.stopping:
             raise APIError(503, "the server is shutting down", None, "shutting_down",
                            {"Retry-After": "5"})  # fmt: skip
@@ -277,11 +266,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
              dependencies=guard)  # fmt: skip
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(engine, settings)]}
+        return {"object": "list", "data": [_model_card(engine, settings, state.facts)]}
 
     @app.get("/v1/catalogs", response_model=CatalogList, responses={401: ERRORS[401]},
              dependencies=guard)  # fmt: skip
     async def catalogs() -> dict[str, Any]:
+        if isinstance(engine, RemoteEngine):  # the engine's view: device bytes, live versions
+            return {"object": "list", **await run_in_threadpool(engine.loop.command, "catalogs")}
         return {
             "object": "list",
             "data": [v.describe() for v in engine.catalogs.current()],
@@ -303,18 +294,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 dependencies=guard, responses=ERRORS)  # fmt: skip
     async def delete_catalog(name: str) -> dict[str, Any]:
         try:
-            return engine.catalogs.remove(name).describe()
+            removed = engine.catalogs.remove(name).describe()
         except CatalogNotFoundError as exc:
             raise APIError(404, exc.args[0], "name", "catalog_not_found") from None
         except ValueError as exc:
             raise APIError(400, str(exc), "name", "invalid_value") from None
+        if isinstance(engine, RemoteEngine):
+            return await run_in_threadpool(engine.loop.command, "remove_catalog", name)
+        return removed
 
-    @app.get("/health", response_model=Health)
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> Response:
+        if _engine_gone(engine):  # a supervisor's liveness probe restarts the server
+            return JSON({"status": "engine process exited"}, 503)
+        return JSON({"status": "ok"})
 
     @app.get("/ready", response_model=Health, responses={503: {"model": Health}})
     async def ready() -> Response:
+        if _engine_gone(engine):
+            return JSON({"status": "engine process exited"}, 503)
         if state.stopping:
             return JSON({"status": "stopping"}, 503, {"Retry-After": "5"})
         if not state.ready.is_set():
@@ -323,14 +321,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # a worker thread: with an engine process, its stats are a round trip through the pipe
+        body = await run_in_threadpool(generate_latest, state.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     if settings.torch_profile_dir is not None:
         _add_profile_routes(app, engine, settings.torch_profile_dir, guard)
 
 
+def _engine_gone(engine: Served) -> bool:
+    """The engine process has exited (it never does while the server runs, unless it crashed or
+    was killed)."""
+    return isinstance(engine, RemoteEngine) and not engine.loop.running
+
+
 def _add_profile_routes(
-    app: FastAPI, engine: Engine, directory: FilePath, guard: list[Any]
+    app: FastAPI, engine: Served, directory: FilePath, guard: list[Any]
 ) -> None:
     """POST /start_profile and /stop_profile (as vLLM and SGLang name them): a torch.profiler
     window over the engine thread, opened and closed at step boundaries (engine/trace.py)."""
@@ -382,23 +388,17 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _run_requests(
-    engine: Engine, request: Request, reqs: Sequence[GenerationRequest], timeout: float | None
+    engine: Served, request: Request, reqs: Sequence[GenerationRequest], timeout: float | None
 ) -> list[GenerationResult]:
     """Submit to the loop and await every result; a client that goes away cancels them."""
     rid = request.state.request_id if hasattr(request.state, "request_id") else None
-    handles = []
+    handles: list[Any] = []
     try:
         for r in reqs:
             handles.append(engine.loop.submit(r, timeout=timeout, request_id=rid))
-    except QueueFullError as exc:
+    except (QueueFullError, EngineStoppedError, RequestRejectedError) as exc:
         _cancel(engine, handles, "a sibling prompt was refused")
-        raise APIError(503, str(exc), None, "queue_full", {"Retry-After": "1"}) from None
-    except EngineStoppedError as exc:
-        _cancel(engine, handles, "the server is shutting down")
-        raise APIError(503, str(exc), None, "shutting_down", {"Retry-After": "5"}) from None
-    except RequestRejectedError as exc:  # translate checked already; the pool may have shrunk
-        _cancel(engine, handles, "a sibling prompt was rejected")
-        raise APIError(400, str(exc), exc.param, "invalid_value") from None
+        raise _api_error(exc) from None
     futures = [asyncio.wrap_future(h.future) for h in handles]
     results = asyncio.gather(*futures, return_exceptions=True)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -412,17 +412,33 @@ async def _run_requests(
         raise ClientGone()
     try:
         return [f.result() for f in futures]
-    except RequestTimeoutError as exc:
-        _cancel(engine, handles, "a sibling prompt timed out")
-        raise APIError(504, f"{exc}; raise `timeout` or retry", "timeout", "timeout") from None
-    except RequestCancelledError as exc:
-        raise APIError(503, str(exc), None, "cancelled", {"Retry-After": "5"}) from None
-    except DeviceMemoryError as exc:
-        _cancel(engine, handles, "a sibling prompt ran out of device memory")
+    except (
+        QueueFullError, EngineStoppedError, RequestRejectedError, RequestTimeoutError,
+        RequestCancelledError, DeviceMemoryError,
+    ) as exc:  # fmt: skip
+        if not isinstance(exc, RequestCancelledError):
+            _cancel(engine, handles, "a sibling prompt failed")
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: Exception) -> APIError:
+    """The HTTP answer to an engine error, raised at submission or by the request's future
+    (with an engine process, a refusal there arrives through the future)."""
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), None, "queue_full", {"Retry-After": "1"})
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc), None, "shutting_down", {"Retry-After": "5"})
+    if isinstance(exc, RequestRejectedError):  # translate checked already; the pool may shrink
+        return APIError(400, str(exc), exc.param, "invalid_value")
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, f"{exc}; raise `timeout` or retry", "timeout", "timeout")
+    if isinstance(exc, RequestCancelledError):
+        return APIError(503, str(exc), None, "cancelled", {"Retry-After": "5"})
+    if isinstance(exc, DeviceMemoryError):
         if exc.retry:
-            raise APIError(503, str(exc), None, "device_out_of_memory",
-                           {"Retry-After": "1"}) from None  # fmt: skip
-        raise APIError(400, str(exc), exc.param, "request_too_large") from None
+            return APIError(503, str(exc), None, "device_out_of_memory", {"Retry-After": "1"})
+        return APIError(400, str(exc), exc.param, "request_too_large")
+    raise exc
 
 
 class ClientGone(APIError):
@@ -432,7 +448,7 @@ class ClientGone(APIError):
         super().__init__(499, "client closed the request", None, "client_closed_request")
 
 
-def _cancel(engine: Engine, handles: Sequence[Any], reason: str) -> None:
+def _cancel(engine: Served, handles: Sequence[Any], reason: str) -> None:
     for h in handles:
         h.cancel(reason)
     engine.loop.wake()
@@ -447,9 +463,10 @@ def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
+def _model_card(engine: Served, settings: ServerSettings, facts: dict[str, Any]) -> dict[str, Any]:
     catalog = engine.catalog
     limits = engine.loop.limits
+    assert limits is not None, "the engine has started"
     return {
         "id": settings.model_name,
         "object": "model",
@@ -458,13 +475,13 @@ def _model_card(engine: Engine, settings: ServerSettings) -> dict[str, Any]:
         "root": settings.engine.model_path,
         "max_model_len": min(limits.max_context, limits.max_position - limits.depth),
         "flashrec": {
-            "architectures": list(engine.runner.loaded.spec.architectures),
+            "architectures": facts["architectures"],
             "sid_depth": limits.depth,
             "level_sizes": list(engine.layout.level_sizes),
             "catalog_sids": len(catalog) if catalog is not None else None,
             "catalog_items": catalog.num_items if catalog is not None else None,
             "max_beam_rows": limits.max_wave_rows,
-            "roofline": asdict(served_model(engine)),
+            "roofline": facts["roofline"],
         },
     }
 
@@ -473,31 +490,31 @@ CATALOG_NAME = r"^[A-Za-z0-9._-]{1,64}$"
 
 
 def _load_catalog(
-    engine: Engine, name: str, body: CatalogUpload, warm_widths: Sequence[int]
-) -> Any:
+    engine: Served, name: str, body: CatalogUpload, warm_widths: Sequence[int]
+) -> CatalogVersion:
     """A catalog from a server-side path or the uploaded object (written to a temporary file,
     so both go through the same loader and its checks). The new version's graphs are warmed
     before the swap (no capture storm on the first requests after it)."""
     if (body.path is None) == (body.catalog is None):
         raise APIError(400, "send exactly one of `path` or `catalog`", "path", "invalid_value")
 
-    def warm(version: Any) -> None:
-        if engine.wave.graphs is None:
-            return
-        try:
-            warm_up(engine, warm_widths, [version], progress=False)
-        except Exception:  # the catalog is good: serve it, its graphs capture on first use
-            logger.exception("warm-up of catalog %s failed; swapping it in unwarmed", name)
+    def add(path: str) -> CatalogVersion:
+        if not isinstance(engine, RemoteEngine):
+            return engine.add_catalog(name, path, lambda v: warm_catalog(engine, v, warm_widths))[0]
+        version = engine.load_catalog_version(name, path)  # checked here first: a 400 if bad
+        engine.loop.add_catalog(version)  # the engine process loads and warms it, then serves it
+        engine.catalogs.put(version)
+        return version
 
     try:
         if body.path is not None:
-            version = engine.add_catalog(name, body.path, warm)[0]
+            version = add(body.path)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, f"{name}.json")
                 with open(path, "w", encoding="utf-8") as f:
                     json.dump(body.catalog, f)
-                version = engine.add_catalog(name, path, warm)[0]
+                version = add(path)
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError; a missing file
         param = "path" if body.path is not None else "catalog"
         raise APIError(

@@ -1,4 +1,5 @@
-"""`flashrec serve`: load the engine, then run the HTTP API under uvicorn in this process.
+"""`flashrec serve`: load the engine, then run the HTTP API under uvicorn in this process (the
+engine too, or, with `--engine-process`, in a process of its own: engine_process.py).
 
 Loading happens before the port opens, so a bad checkpoint or catalog fails the command (exit
 code 2) instead of leaving a server that never becomes ready. Warm-up runs after the port opens
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import Any
 
 from flashrec_core.server.settings import ServerSettings
 
@@ -20,28 +22,19 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(settings: ServerSettings) -> int:
-    import torch
     import uvicorn
 
-    from flashrec_core.engine.engine import Engine
     from flashrec_core.server.app import create_app
 
-    # Every torch CPU op of a serving process runs on the engine thread; the intra-op threads go
-    # there (EngineLoop.start). A second OpenMP team, made by loading with all threads on this
-    # thread, leaves libgomp with more threads than cores: it then stops spin-waiting between
-    # parallel regions, and every CPU op pays a wake-up (a CPU request took 28 ms instead of
-    # 18 ms on 2 cores; docs/serving.md). On CUDA the engine takes 1 (EngineConfig.host_threads).
-    engine_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    logger.info("loading %s", settings.engine.model_path)
-    engine = Engine.from_config(settings.engine, settings.search, max_queue=settings.max_queue)
-    if engine.loop.intra_op_threads is None:  # on CPU: every core, captured before the load
-        engine.loop.intra_op_threads = engine_threads
-    logger.info("engine thread: %d CPU threads", engine.loop.intra_op_threads)
-    engine.loop.admission_delay_factor = settings.admission_delay_factor
-    for name, path in settings.catalogs.items():
-        number = engine.add_catalog(name, path)[0].version  # keep no reference: it may be swapped
-        logger.info("catalog %s: %s (version %d)", name, path, number)
+    engine: Any
+    if settings.engine_process:
+        from flashrec_core.server.engine_process import RemoteEngine
+
+        engine = RemoteEngine.start(settings)
+    else:
+        from flashrec_core.server.loading import load_engine
+
+        engine = load_engine(settings)
     app = create_app(engine, settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, access_log=False, log_level="info",
@@ -58,7 +51,11 @@ def serve(settings: ServerSettings) -> int:
     # this one in place that ends the command normally (exit 0) instead of killing the process.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _drained)
-    server.run()
+    try:
+        server.run()
+    finally:  # uvicorn exits without its shutdown when it cannot bind the port
+        if settings.engine_process and engine.loop.running:
+            engine.loop.stop(0)
     return 0
 
 

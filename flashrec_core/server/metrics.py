@@ -27,8 +27,8 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], LoopStats | None]) -> None:
-        self._stats = stats
+    def __init__(self, stats: Callable[[], LoopStats | None], own_process: bool) -> None:
+        self._stats, self.own_process = stats, own_process
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
@@ -98,6 +98,12 @@ class _EngineCollector(Collector):
                 "GPU, the GIL or a lock)",
                 s.cpu_seconds,
             ),
+            "engine_side_cpu_seconds": (
+                "CPU seconds of the process that runs the engine loop, every thread: this "
+                "server's process, or the engine process with --engine-process (then "
+                "process_cpu_seconds_total is the HTTP process's alone)",
+                s.process_cpu_seconds,
+            ),
             "engine_results_wait_seconds": (
                 "of the busy seconds, the engine thread blocked on finished waves' beams "
                 "reaching the host: how far the GPU's queued work ran ahead of the host",
@@ -106,6 +112,10 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in totals.items():
             yield CounterMetricFamily(f"flashrec_{name}", doc, value=value)
+        yield GaugeMetricFamily(
+            "flashrec_engine_own_process", "1 when the engine runs in a process of its own "
+            "(--engine-process), else 0", value=int(self.own_process),
+        )  # fmt: skip
 
 
 class _CatalogCollector(Collector):
@@ -180,6 +190,7 @@ class ServerMetrics:
         self,
         stats: Callable[[], LoopStats | None],
         catalogs: tuple[Callable[[], list[Any]], Callable[[], list[Any]]] | None = None,
+        engine_own_process: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -215,7 +226,7 @@ class ServerMetrics:
             "flashrec_deduplicated_items", "repeated items dropped from return='items' lists",
             registry=self.registry,
         )  # fmt: skip
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, engine_own_process))
         # process_cpu_seconds_total, resident memory, open files (from /proc, on Linux): less
         # flashrec_engine_cpu_seconds_total, the CPU the HTTP side spends
         ProcessCollector(registry=self.registry)

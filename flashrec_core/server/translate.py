@@ -102,7 +102,7 @@ def _message_text(message: ChatMessage, index: int) -> str:
 
 
 def _check_max_tokens(engine: Engine, value: int | None, param: str) -> None:
-    depth = engine.trie.depth
+    depth = engine.sid_depth
     if value is not None and value < depth:
         raise bad_request(
             f"{param}={value} is shorter than the SID depth {depth}; a recommendation takes "

@@ -125,3 +125,15 @@ def _any_token(engine: Engine) -> int:
         if cand is not None:
             return int(cand)
     return 0
+
+
+def warm_catalog(engine: Engine, version: CatalogVersion, widths: Sequence[int]) -> None:
+    """Capture a newly loaded catalog version's graphs before it is swapped in (no capture storm
+    on the first requests after the swap). Nothing to do without CUDA graphs; a failure is
+    logged and the version served unwarmed (its graphs then capture on first use)."""
+    if engine.wave.graphs is None:
+        return
+    try:
+        warm_up(engine, widths, [version], progress=False)
+    except Exception:  # the catalog is good: serve it
+        logger.exception("warm-up of catalog %s failed; swapping it in unwarmed", version.name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashrec_core.server.app import graph_pool_bytes
+from flashrec_core.server.loading import graph_pool_bytes
 
 
 def test_graph_pool_bytes_sum_the_private_pools_of_the_device(

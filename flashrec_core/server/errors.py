@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flashrec_core.engine.handles import EngineStoppedError
+
 logger = logging.getLogger("flashrec.server")
 
 _TYPES = {
@@ -109,6 +111,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(EngineStoppedError)
+    async def _engine_gone(_: Request, exc: EngineStoppedError) -> JSONResponse:
+        # a command to an engine process that has exited (catalogs, profiler): not the client's
+        # fault, and not a 500 either
+        return error_response(503, str(exc), None, "engine_dead")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

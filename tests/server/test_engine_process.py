@@ -183,4 +183,6 @@ def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path)
             proc.url + "/v1/chat/completions", json=test_load._body("w1", 2), headers=HEADERS
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        listing = httpx.get(proc.url + "/v1/catalogs", headers=HEADERS)  # a command: no reply
+        assert listing.status_code == 503 and listing.json()["error"]["code"] == "engine_dead"
         assert read_metrics(proc.url) is not None  # /metrics still answers (no engine gauges)

@@ -431,6 +431,9 @@ def run_engine_process(settings: ServerSettings, conn: Any, levels: dict[str, in
     # process group, and a SIGTERM from a supervisor is the HTTP process's to drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # daemon=True is for the HTTP process (it ends this one at exit); here it would only forbid
+    # children, which a kernel library's compile workers may need
+    multiprocessing.current_process().daemon = False
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)

@@ -13,7 +13,7 @@ catalog commands. The engine process (`run_engine_process`) builds the `Engine` 
 in-process server does and runs its loop unchanged; a receiver thread there submits and cancels
 between the loop's steps, command threads answer stats, catalog and profiler commands, and the
 engine thread sends each finished request's result itself (a sender thread measured one more
-wake-up per request: 0.2-0.3 ms of unloaded latency on the CPU machine).
+wake-up per request: 0.4-0.6 ms of unloaded latency on the CPU machine).
 
 What crosses the pipe (pickled tuples over a `multiprocessing` pipe):
 - a request: token ids, n, temperature, seed, the (name, version) of the catalog it was bound to,

@@ -727,13 +727,22 @@ def _phase_line(result: dict[str, Any]) -> str:
         f"{engine.get('results_wait_ms_per_iteration', 0):.1f}; "
         f"{engine.get('beam_forwards_per_step', 1):.2f} forwards a beam step), "
         f"server CPU outside the engine thread "
-        f"{engine.get('other_cpu_ms_per_request', 0):.2f} ms a request, admissions put back "
+        f"{engine.get('other_cpu_ms_per_request', 0):.2f} ms a request"
+        f"{_engine_process_share(engine)}, admissions put back "
         f"{engine.get('admission_retries_kv_slots', 0)} (KV) / "
         f"{engine.get('admission_retries_device_memory', 0)} (device memory), garbage "
         f"collector {engine.get('gc_pause_ms_per_s', 0):.1f} ms a second "
         f"({engine.get('gc_full_collections', 0)} full, {engine.get('gc_full_pause_mean_ms', 0):.1f}"
         f" ms each)"
     )
+
+
+def _engine_process_share(engine: dict[str, Any]) -> str:
+    """With --engine-process: the part of that CPU spent in the engine process (its pipe and
+    command threads), the rest being the HTTP process's."""
+    if "engine_process_other_cpu_ms_per_request" not in engine or not engine.get("own_process"):
+        return ""
+    return f" (engine process {engine['engine_process_other_cpu_ms_per_request']:.2f})"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

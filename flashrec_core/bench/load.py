@@ -287,6 +287,7 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         # of that, the engine process's threads beside the engine thread (pipe, commands)
         "engine_process_other_cpu_ms_per_request":
             1e3 * own * (d["side_cpu_seconds"] - d["cpu_seconds"]) / answered,
+        "own_process": bool(own),
         "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
         **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
            for stage in ("queue", "prefill", "decode")},

@@ -81,7 +81,10 @@ def test_answers_equal_the_in_process_servers(remote: ServerProcess, server: Ser
         assert_same_ranking(ranked_a, ranked_b, ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
         items = [c["flashrec"]["items"] for c in a.json()["choices"]]
         assert items == [c["flashrec"]["items"] for c in b.json()["choices"]]
-        assert a.json()["usage"] == b.json()["usage"]
+        # cached_tokens depends on what each server's prefix cache served before: not compared
+        usage_a, usage_b = a.json()["usage"], b.json()["usage"]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert usage_a[key] == usage_b[key], key
 
 
 def test_300_concurrent_requests_equal_the_same_requests_alone(remote: ServerProcess) -> None:

@@ -22,7 +22,7 @@ import pytest
 from flashrec_core.testing.hf_beam import assert_same_ranking
 from flashrec_core.testing.server_process import ServerProcess, read_metrics
 
-from . import test_api, test_catalogs, test_load
+from . import test_api, test_catalogs, test_load, test_openapi_contract
 from .conftest import API_KEY, server_args
 from .test_api import ATOL_SAME_ENGINE, assert_idle
 
@@ -62,6 +62,22 @@ def _engine_pid(server: ServerProcess) -> int:
         if b"spawn_main" in cmdline:
             return child
     raise AssertionError("no engine process under the server")
+
+
+@pytest.fixture(scope="module")
+def remote_for_schemathesis(checkpoint: Path) -> Iterator[ServerProcess]:
+    """Generated catalog uploads may replace the default catalog: a server of its own."""
+    with ServerProcess(remote_args(checkpoint)) as proc:
+        yield proc
+
+
+@pytest.mark.parametrize("label", test_openapi_contract.OPERATIONS + test_openapi_contract.MUTATING)
+def test_every_operation_honours_its_schema(
+    remote_for_schemathesis: ServerProcess, label: str
+) -> None:
+    """schemathesis, as for the in-process server: no 5xx and no schema violation, the catalog
+    routes (commands to the engine process) included."""
+    test_openapi_contract._check(remote_for_schemathesis, label)
 
 
 def test_answers_equal_the_in_process_servers(remote: ServerProcess, server: ServerProcess) -> None:

@@ -41,6 +41,7 @@ import sys
 import threading
 import uuid
 import weakref
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +233,13 @@ class EngineClient:
         self._child_end.close()
         self._reader = threading.Thread(target=self._read, name="flashrec-engine-pipe", daemon=True)
         self._reader.start()
-        hello = self._hello.result(timeout=_LOAD_TIMEOUT_S)
+        try:
+            hello = self._hello.result(timeout=_LOAD_TIMEOUT_S)
+        except futures.TimeoutError:
+            self._process.terminate()
+            raise RuntimeError(
+                f"the engine process did not load the checkpoint in {_LOAD_TIMEOUT_S:.0f} s"
+            ) from None
         self.limits, self.kv_slots, self.facts = hello["limits"], hello["kv_slots"], hello["facts"]
         mine = sorted((v.name, v.version) for v in self._front.catalogs.current())
         if sorted(hello["catalogs"]) != mine:
@@ -255,7 +262,7 @@ class EngineClient:
             try:
                 self.command("stop", grace_s, timeout=grace_s + 120)
                 self._send(("bye",))
-            except (EngineStoppedError, TimeoutError) as exc:
+            except (EngineStoppedError, futures.TimeoutError, TimeoutError) as exc:
                 logger.warning("engine process did not stop cleanly: %s", exc)
         self._process.join(timeout=30)
         if self._process.is_alive():
@@ -296,7 +303,7 @@ class EngineClient:
     def stats(self) -> LoopStats | None:
         try:
             return self.command("stats", timeout=_STATS_TIMEOUT_S)
-        except (EngineStoppedError, TimeoutError):
+        except (EngineStoppedError, futures.TimeoutError, TimeoutError):
             return None
 
     def start_trace(self) -> None:
@@ -328,7 +335,7 @@ class EngineClient:
         try:
             self._send(("command", cid, name, args))
             return future.result(timeout=timeout)
-        except TimeoutError:
+        except futures.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
             message = f"the engine process did not answer {name!r} in {timeout:.0f} s"
             raise TimeoutError(message) from None
         finally:
@@ -383,6 +390,7 @@ class EngineClient:
 
     def _gone(self) -> None:
         """The pipe closed: fail everything still waiting on the engine process."""
+        self._process.join(timeout=5)  # closed its end: exiting, if not exited yet
         code = self._process.exitcode
         why = EngineStoppedError(f"the engine process has exited (exit code {code})")
         for handle in list(self._pending.values()):

@@ -175,9 +175,12 @@ serve_bench() {
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total|engine_beam)"
   # CPU seconds of each of the server's threads (utime + stime in clock ticks), busiest first:
-  # which threads the "server CPU outside the engine thread" of the bench lines went to
-  for t in /proc/$srv/task/*; do
-    echo "$(awk '{print $14 + $15}' "$t/stat") ticks  tid ${t##*/}  $(cat "$t/comm")"
+  # which threads the "server CPU outside the engine thread" of the bench lines went to (with
+  # --engine-process, the engine process's threads too: the server's child processes)
+  for p in $srv $(pgrep -P "$srv"); do
+    for t in /proc/$p/task/*; do
+      echo "$(awk '{print $14 + $15}' "$t/stat") ticks  pid $p tid ${t##*/}  $(cat "$t/comm")"
+    done
   done 2>/dev/null | sort -rn | head -25 > "$out/threads$tag.txt"
   head -8 "$out/threads$tag.txt"
   stop_server $srv; tail -3 "$out/serve$tag.log"

@@ -205,3 +205,22 @@ def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path)
         listing = httpx.get(proc.url + "/v1/catalogs", headers=HEADERS)  # a command: no reply
         assert listing.status_code == 503 and listing.json()["error"]["code"] == "engine_dead"
         assert read_metrics(proc.url) is not None  # /metrics still answers (no engine gauges)
+
+
+def test_bench_counts_both_processes_cpu_outside_the_engine_thread() -> None:
+    """`bench --server`'s engine view: in one process the HTTP side's CPU is the process's less
+    the engine thread's; with an engine process it is the HTTP process's whole CPU plus the
+    engine process's less its engine thread's."""
+    from flashrec_core.bench.load import _ENGINE_TOTALS, _engine_view
+
+    before = dict.fromkeys(_ENGINE_TOTALS, 0.0)
+    after = {**before, "flashrec_request_latency_seconds_count{endpoint=/v1/completions}": 100.0,
+             "process_cpu_seconds_total": 3.0, "flashrec_engine_cpu_seconds_total": 2.0,
+             "flashrec_engine_side_cpu_seconds_total": 2.5}  # fmt: skip
+    one = _engine_view(before, {**after, "flashrec_engine_own_process": 0.0}, 1.0)
+    assert one["other_cpu_ms_per_request"] == pytest.approx(10.0)  # (3 - 2) s / 100
+    assert one["engine_process_other_cpu_ms_per_request"] == 0 and not one["own_process"]
+    two = _engine_view(before, {**after, "flashrec_engine_own_process": 1.0}, 1.0)
+    assert two["other_cpu_ms_per_request"] == pytest.approx(35.0)  # (3 + 2.5 - 2) s / 100
+    assert two["engine_process_other_cpu_ms_per_request"] == pytest.approx(5.0)
+    assert two["own_process"]

@@ -64,8 +64,10 @@ class EngineFront:
         weights are read and no device is touched."""
         search = search or SearchConfig()
         config, tokenizer, layout, catalog = load_front_parts(engine_config, search, registry)
-        trie = build_trie(catalog.codes, catalog.level_sizes, kind=search.trie_kind) if (
-            catalog is not None) else unconstrained_host_trie(layout)  # fmt: skip
+        if catalog is not None:
+            trie = build_trie(catalog.codes, catalog.level_sizes, kind=search.trie_kind)
+        else:
+            trie = unconstrained_host_trie(layout)
         return cls(tokenizer, layout, catalog, search, trie, config.vocab_size)
 
     @property

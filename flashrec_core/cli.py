@@ -330,7 +330,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-process", action=argparse.BooleanOptionalAction,
         help="run the engine in a process of its own, apart from the HTTP side's GIL "
-        "(default: off, one process)",
+        "(default: on; --no-engine-process keeps one process)",
     )  # fmt: skip
     p.add_argument("--config", help="settings file (.json or .toml), see docs/serving.md")
 

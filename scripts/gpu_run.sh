@@ -175,8 +175,8 @@ serve_bench() {
   done
   curl -s localhost:8123/metrics | grep -E "^flashrec_(invalid|kv_slots|running|queue|requests_total|engine_beam)"
   # CPU seconds of each of the server's threads (utime + stime in clock ticks), busiest first:
-  # which threads the "server CPU outside the engine thread" of the bench lines went to (with
-  # --engine-process, the engine process's threads too: the server's child processes)
+  # which threads the "server CPU outside the engine thread" of the bench lines went to (the
+  # engine process's threads too, by default: the server's child processes)
   for p in $srv $(pgrep -P "$srv"); do
     for t in /proc/$p/task/*; do
       echo "$(awk '{print $14 + $15}' "$t/stat") ticks  pid $p tid ${t##*/}  $(cat "$t/comm")"

@@ -63,6 +63,7 @@ from flashrec_core.engine.handles import (
     check_request,
 )
 from flashrec_core.engine.requests import GenerationRequest, GenerationResult, RequestTimings
+from flashrec_core.engine.trace import TraceStateError
 from flashrec_core.search.filters import ItemFilter
 from flashrec_core.server.settings import ServerSettings
 
@@ -111,7 +112,7 @@ _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
         QueueFullError, EngineStoppedError, RequestCancelledError, RequestTimeoutError,
-        RequestRejectedError, DeviceMemoryError,
+        RequestRejectedError, DeviceMemoryError, TraceStateError,
     )
 }  # fmt: skip
 

@@ -63,10 +63,13 @@ class ServerSettings(BaseSettings):
     server's requests in flight outlive two young collections and then take part in every full
     one: 31-35 ms each at 800 in flight on the GPU machine. At 10,000 most requests finish
     before a young collection sees them (engine/heap.py)."""
-    engine_process: bool = False
+    engine_process: bool = True
     """Run the engine (weights, device, loop) in a process of its own; this process keeps HTTP,
     validation, tokenizing and the shaping of answers, so none of that Python holds the engine
-    thread's GIL (server/engine_process.py; docs/serving.md)."""
+    thread's GIL (server/engine_process.py; docs/serving.md). On by default: on an H100 at n=50
+    it held 96-97% of `Engine.generate` at saturation where one process held 88-90%
+    (docs/benchmarks.md, session 34). `--no-engine-process` keeps one process (a catalog's host
+    memory once, one model load)."""
     log_requests: bool = True
     profile_engine: Path | None = None
     """cProfile the engine thread and write the stats (cumulative, text) here at shutdown."""

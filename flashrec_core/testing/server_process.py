@@ -86,6 +86,18 @@ class ServerProcess:
         assert self.proc is not None, "started"
         return self.proc.wait(timeout=timeout_s)
 
+    def children(self) -> list[int]:
+        """The server's live child processes (the engine process by default), from /proc."""
+        assert self.proc is not None, "started"
+        return [pid for pid in _live_pids() if _parent(pid) == self.proc.pid]
+
+    def engine_pid(self) -> int:
+        """The engine process: the child running multiprocessing's spawn."""
+        for pid in self.children():
+            if b"spawn_main" in _read(f"/proc/{pid}/cmdline"):
+                return pid
+        raise AssertionError("no engine process under the server (--no-engine-process?)")
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -95,6 +107,28 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has exited; it only waits for its parent to reap it)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+def _live_pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and alive(int(e))]
+
+
+def _parent(pid: int) -> int:
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(b")", 1)[1].split()[1]) if stat else -1
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
 
 
 def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -1,11 +1,11 @@
-"""`flashrec serve --engine-process`: the engine in a process of its own behind the same API.
+"""The server's two modes: the engine in a process of its own (the default, `--engine-process`)
+and in the server's process (`--no-engine-process`).
 
-The scenarios of the in-process server's tests (load, disconnects, a full queue, timeouts,
-SIGTERM, catalogs, item filters) run again against a server whose engine is a child process;
-its answers must equal the in-process server's on the same checkpoint (same weights, same
-search, so the same ranking and log-probs to the same-engine tolerance), and everything must
-come back to idle through the pipe's stats. Then what only this mode has: a load error in the
-child, the child dying, and no child left behind."""
+The suite's other files run the default. Here the one-process mode runs their scenarios again
+(load, disconnects, timeouts, SIGTERM, catalogs, schemathesis), and its answers must equal the
+default's on the same checkpoint (same weights, same search: the same ranking and log-probs to
+the same-engine tolerance). Then what only the engine process has: a load error in it, its
+death, and the benchmark's arithmetic over two processes."""
 
 from __future__ import annotations
 
@@ -29,58 +29,33 @@ from .test_api import ATOL_SAME_ENGINE, assert_idle
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def remote_args(checkpoint: Path, *extra: str) -> list[str]:
-    return server_args(checkpoint, "--engine-process", *extra)
+def one_process_args(checkpoint: Path, *extra: str) -> list[str]:
+    return server_args(checkpoint, "--no-engine-process", *extra)
 
 
 @pytest.fixture(scope="module")
-def remote(checkpoint: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(remote_args(checkpoint)) as proc:
+def one_process(checkpoint: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(one_process_args(checkpoint)) as proc:
         yield proc
 
 
-def _children(pid: int) -> list[int]:
-    """The live child processes of `pid` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
-def _engine_pid(server: ServerProcess) -> int:
-    """The engine process: the serve process's child running multiprocessing's spawn."""
-    assert server.proc is not None
-    for child in _children(server.proc.pid):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            return child
-    raise AssertionError("no engine process under the server")
-
-
 @pytest.fixture(scope="module")
-def remote_for_schemathesis(checkpoint: Path) -> Iterator[ServerProcess]:
+def one_process_for_schemathesis(checkpoint: Path) -> Iterator[ServerProcess]:
     """Generated catalog uploads may replace the default catalog: a server of its own."""
-    with ServerProcess(remote_args(checkpoint)) as proc:
+    with ServerProcess(one_process_args(checkpoint)) as proc:
         yield proc
 
 
 @pytest.mark.parametrize("label", test_openapi_contract.OPERATIONS + test_openapi_contract.MUTATING)
-def test_every_operation_honours_its_schema(
-    remote_for_schemathesis: ServerProcess, label: str
+def test_every_operation_honours_its_schema_in_one_process(
+    one_process_for_schemathesis: ServerProcess, label: str
 ) -> None:
-    """schemathesis, as for the in-process server: no 5xx and no schema violation, the catalog
-    routes (commands to the engine process) included."""
-    test_openapi_contract._check(remote_for_schemathesis, label)
+    """schemathesis, as for the default mode: no 5xx and no schema violation, the catalog
+    routes (the engine's own catalogs here, not commands) included."""
+    test_openapi_contract._check(one_process_for_schemathesis, label)
 
 
-def test_answers_equal_the_in_process_servers(remote: ServerProcess, server: ServerProcess) -> None:
+def test_answers_equal_across_the_modes(server: ServerProcess, one_process: ServerProcess) -> None:
     bodies = [
         {"messages": [{"role": "user", "content": f"user history w{i} w{i + 3} w7"}], "n": n}
         for i, n in enumerate((1, 4, 16, 33))
@@ -90,8 +65,8 @@ def test_answers_equal_the_in_process_servers(remote: ServerProcess, server: Ser
                    "exclude_items": ["item-000386", "item-000089"]})  # fmt: skip
     for body in bodies:
         route = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-        a = httpx.post(remote.url + route, json=body, headers=HEADERS, timeout=60)
-        b = httpx.post(server.url + route, json=body, headers=HEADERS, timeout=60)
+        a = httpx.post(server.url + route, json=body, headers=HEADERS, timeout=60)
+        b = httpx.post(one_process.url + route, json=body, headers=HEADERS, timeout=60)
         assert a.status_code == b.status_code == 200, (a.text, b.text)
         ranked_a, ranked_b = test_load._ranked(a.json()), test_load._ranked(b.json())
         assert_same_ranking(ranked_a, ranked_b, ATOL_SAME_ENGINE, ATOL_SAME_ENGINE)
@@ -103,12 +78,14 @@ def test_answers_equal_the_in_process_servers(remote: ServerProcess, server: Ser
             assert usage_a[key] == usage_b[key], key
 
 
-def test_300_concurrent_requests_equal_the_same_requests_alone(remote: ServerProcess) -> None:
-    test_load.test_300_concurrent_requests_equal_the_same_requests_alone(remote)
+def test_300_concurrent_requests_in_one_process(one_process: ServerProcess) -> None:
+    test_load.test_300_concurrent_requests_equal_the_same_requests_alone(one_process)
 
 
-def test_bad_input_is_refused_in_the_http_process(remote: ServerProcess) -> None:
-    c = httpx.Client(base_url=remote.url, headers=HEADERS, timeout=30)
+def test_bad_input_is_refused_in_one_process(one_process: ServerProcess) -> None:
+    """What `EngineLoop.check` refuses in this mode (the pipe's `EngineClient.check` in the
+    default one): a width over the budget, a prompt over the context, an unknown catalog."""
+    c = httpx.Client(base_url=one_process.url, headers=HEADERS, timeout=30)
     too_wide = c.post("/v1/chat/completions", json=test_load._body("w1", 10**6))
     assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
     long = c.post("/v1/completions", json={"prompt": [5] * 70_000, "n": 2})
@@ -119,35 +96,34 @@ def test_bad_input_is_refused_in_the_http_process(remote: ServerProcess) -> None
     assert c.post("/v1/chat/completions", json=test_load._body("w1 w2", 3)).status_code == 200
 
 
-def test_models_health_ready_metrics(remote: ServerProcess) -> None:
-    test_api.test_models_health_ready_metrics(remote, HEADERS)
-    card = httpx.get(remote.url + "/v1/models", headers=HEADERS).json()["data"][0]["flashrec"]
+def test_models_health_ready_metrics_in_one_process(one_process: ServerProcess) -> None:
+    test_api.test_models_health_ready_metrics(one_process, HEADERS)
+    metrics = read_metrics(one_process.url)
+    assert metrics["flashrec_engine_own_process"] == 0 and not one_process.children()
+
+
+def test_the_default_runs_the_engine_in_a_process_of_its_own(server: ServerProcess) -> None:
+    assert read_metrics(server.url)["flashrec_engine_own_process"] == 1
+    assert server.engine_pid() in server.children()
+    card = httpx.get(server.url + "/v1/models", headers=HEADERS).json()["data"][0]["flashrec"]
     assert card["architectures"] == ["Qwen3ForCausalLM"]  # the engine process's facts
 
 
-def test_timeout_gives_504_and_frees_everything(remote: ServerProcess) -> None:
-    test_api.test_timeout_gives_504_and_frees_everything(remote, HEADERS)
+def test_timeout_gives_504_and_frees_everything_in_one_process(one_process: ServerProcess) -> None:
+    test_api.test_timeout_gives_504_and_frees_everything(one_process, HEADERS)
 
 
-def test_disconnect_full_queue_and_sigterm(checkpoint: Path) -> None:
+def test_disconnect_and_sigterm_in_one_process(checkpoint: Path) -> None:
     busy = ("--max-wave-rows", "64", "--max-queue", "400", "--shutdown-grace", "60")
-    with ServerProcess(remote_args(checkpoint, *busy)) as proc:
+    with ServerProcess(one_process_args(checkpoint, *busy)) as proc:
         test_load.test_client_that_disconnects_is_cancelled_and_freed(proc)
-        engine = _engine_pid(proc)
         test_load.test_sigterm_drains_requests_in_flight_then_exits_0(proc)
-        assert not Path(f"/proc/{engine}").exists() or _zombie(engine), "engine process left"
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def test_full_queue_answers_503_from_the_engine_process(checkpoint: Path) -> None:
-    """The queue is the engine's: its refusal crosses the pipe as the request's error."""
-    args = remote_args(checkpoint, "--max-wave-rows", "32", "--max-queue", "4")
+def test_full_queue_answers_503_in_one_process(checkpoint: Path) -> None:
+    """The queue is the engine's in both modes: here its refusal is raised by `submit`, in the
+    default mode it crosses the pipe as the request's error (test_load)."""
+    args = one_process_args(checkpoint, "--max-wave-rows", "32", "--max-queue", "4")
     with ServerProcess(args) as proc:
         answers = test_load.asyncio.run(
             test_load._send_all(proc.url, test_load._burst(60), concurrency=60)
@@ -159,16 +135,14 @@ def test_full_queue_answers_503_from_the_engine_process(checkpoint: Path) -> Non
         assert_idle(proc)
 
 
-def test_catalogs_load_swap_and_delete_through_the_engine_process(
-    checkpoint: Path, tmp_path: Path
-) -> None:
+def test_catalogs_load_swap_and_delete_in_one_process(checkpoint: Path, tmp_path: Path) -> None:
     a, a_items = test_catalogs._variant(checkpoint, tmp_path, "a", 1)
     b, b_items = test_catalogs._variant(checkpoint, tmp_path, "b", 2)
-    with ServerProcess(remote_args(checkpoint, "--catalog", f"shop={a}")) as proc:
+    with ServerProcess(one_process_args(checkpoint, "--catalog", f"shop={a}")) as proc:
         fixture = (proc, {"a": (a, a_items), "b": (b, b_items)})
         test_catalogs.test_named_catalogs_are_listed_and_picked_per_request(fixture)
         test_catalogs.test_swaps_under_load_every_answer_valid_under_its_version(fixture)
-        # ends by deleting `shop`: then the engine process serves the default catalog alone
+        # ends by deleting `shop`: then the default catalog is served alone
         test_catalogs.test_bad_catalog_is_refused_and_the_old_one_keeps_serving(fixture, tmp_path)
         listed = httpx.get(proc.url + "/v1/catalogs", headers=HEADERS).json()
         assert [x["name"] for x in listed["data"]] == ["default"]
@@ -184,15 +158,15 @@ def test_a_load_error_in_the_engine_process_fails_the_command(
     shutil.copytree(checkpoint, broken)
     [weights] = broken.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[:100])
-    proc = ServerProcess(remote_args(broken))
+    proc = ServerProcess(server_args(broken))
     with pytest.raises(RuntimeError, match="exited with 2") as failed:
         proc.start()
     assert weights.name in str(failed.value), str(failed.value)[-2000:]
 
 
 def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path) -> None:
-    with ServerProcess(remote_args(checkpoint)) as proc:
-        os.kill(_engine_pid(proc), signal.SIGKILL)
+    with ServerProcess(server_args(checkpoint)) as proc:
+        os.kill(proc.engine_pid(), signal.SIGKILL)
         end = time.monotonic() + 30
         while httpx.get(proc.url + "/health").status_code != 503:
             assert time.monotonic() < end, "the server did not notice its engine exited"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from flashrec_core.testing.hf_beam import assert_same_ranking
-from flashrec_core.testing.server_process import ServerProcess, read_metrics
+from flashrec_core.testing.server_process import ServerProcess, alive, read_metrics
 
 from .conftest import API_KEY, server_args
 from .test_api import ATOL_SAME_ENGINE, assert_idle
@@ -168,11 +168,13 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProce
         return await load, late
 
     start = time.monotonic()
+    children = busy_server.children()  # the engine process, unless --no-engine-process
     answers, late = asyncio.run(scenario())
     assert [r.status_code for r in answers] == [200] * 60, "requests in flight complete"
     assert isinstance(late, httpx.ConnectError) or late == 503, late
     assert busy_server.wait(timeout_s=60) == 0, busy_server.log()[-3000:]
     assert time.monotonic() - start < 60
+    assert not [pid for pid in children if alive(pid)], "a child process outlived the server"
 
 
 def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_path: Path) -> None:

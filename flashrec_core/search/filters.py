@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -41,37 +42,62 @@ AttrFilters = Mapping[str, AttrValue | Sequence[AttrValue]]
 
 @dataclass(frozen=True, eq=False)
 class ItemFilter:
-    """Which SIDs (catalog rows) and items one request may return."""
+    """Which SIDs (catalog rows) and items one request may return.
 
-    sid_mask: np.ndarray  # bool [num_sids]: at least one of the SID's items is allowed
-    item_mask: np.ndarray  # bool [distinct items]: the item may be returned
+    The search reads the SIDs alone, as bits; the items are for shaping answers. The engine
+    process (server/engine_process.py) receives the bits alone and rebuilds a search-only
+    filter (`for_search`, no `item_mask`): unpacking and re-packing a million-row mask there
+    cost 1-2 ms a request on the thread that feeds the engine loop."""
+
+    packed_sids: np.ndarray = field(repr=False)
+    """uint8, np.packbits of bool [catalog rows]: 1 where at least one of the SID's items is
+    allowed. What a GPU wave uploads, 8x less than the bools; packed when the request is made,
+    off the engine thread."""
     index: CatalogIndex
-    packed_sids: np.ndarray = field(init=False, repr=False)
-    """`sid_mask` as bits (np.packbits): what a GPU wave uploads, 8x less than the bools; packed
-    when the request is made, off the engine thread."""
-    num_closed: int = field(init=False)
-    """Catalog SIDs this filter closes (none of their items allowed): the candidates the search
-    never opens for this request (the server's flashrec_filtered_sids_total)."""
+    item_mask: np.ndarray | None = None
+    """bool [distinct items]: the item may be returned; None in a search-only filter."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "packed_sids", np.packbits(self.sid_mask))
-        object.__setattr__(
-            self, "num_closed", int(self.sid_mask.size - np.count_nonzero(self.sid_mask))
-        )
+    @classmethod
+    def create(cls, sid_mask: np.ndarray, item_mask: np.ndarray, index: CatalogIndex) -> ItemFilter:
+        made = cls(np.packbits(sid_mask), index, item_mask)
+        object.__setattr__(made, "sid_mask", sid_mask)  # cached_property's slot: no unpacking
+        return made
+
+    @classmethod
+    def for_search(cls, packed_sids: np.ndarray, index: CatalogIndex) -> ItemFilter:
+        """The SID bits alone (a request's filter as the engine process receives it)."""
+        return cls(packed_sids, index)
+
+    @cached_property
+    def sid_mask(self) -> np.ndarray:
+        """bool [catalog rows]: `packed_sids` unpacked (what a CPU wave reads)."""
+        return np.unpackbits(self.packed_sids, count=len(self.index.catalog)).astype(bool)
+
+    @cached_property
+    def num_closed(self) -> int:
+        """Catalog SIDs this filter closes (none of their items allowed): the candidates the
+        search never opens for this request (the server's flashrec_filtered_sids_total)."""
+        return int(self.sid_mask.size - np.count_nonzero(self.sid_mask))
 
     def keeps(self, item: str) -> bool:
         i = self.index.item_index.get(item)
-        return i is not None and bool(self.item_mask[i])
+        return i is not None and bool(self._items[i])
 
     @property
     def excluded(self) -> frozenset[str]:
         """The catalog items this filter removes (tests, diagnostics)."""
         ids = self.index.item_ids
-        return frozenset(ids[i] for i in np.flatnonzero(~self.item_mask).tolist())
+        return frozenset(ids[i] for i in np.flatnonzero(~self._items).tolist())
 
     @property
     def num_sids(self) -> int:
         return self.sid_mask.size - self.num_closed
+
+    @property
+    def _items(self) -> np.ndarray:
+        if self.item_mask is None:
+            raise TypeError("a search-only ItemFilter (for_search) has no item mask")
+        return self.item_mask
 
 
 class CatalogIndex:
@@ -130,12 +156,12 @@ class CatalogIndex:
             raise FilterError(
                 f"no catalog item is left after {' and '.join(fields)}; widen them", fields[0]
             )
-        return ItemFilter(sid_mask, keep, self)
+        return ItemFilter.create(sid_mask, keep, self)
 
     def allow_all(self) -> ItemFilter:
         """A filter that keeps every item: a filtered wave's shapes without changing results
         (warm-up captures the filtered CUDA graphs with it)."""
-        return ItemFilter(
+        return ItemFilter.create(
             np.ones(len(self.catalog), dtype=bool), np.ones(len(self.item_ids), dtype=bool), self
         )
 

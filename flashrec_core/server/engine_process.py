@@ -17,8 +17,9 @@ wake-up per request: 0.4-0.6 ms of unloaded latency on the CPU machine).
 
 What crosses the pipe (pickled tuples over a `multiprocessing` pipe):
 - a request: token ids, n, temperature, seed, the (name, version) of the catalog it was bound to,
-  and its item filter as packed bits (the engine process rebuilds the filter over its own copy
-  of that catalog version), timeout and request id;
+  and its item filter's SID bits (the engine process rebuilds a search-only filter over its own
+  copy of that catalog version; the item mask stays with the HTTP side, which shapes answers),
+  timeout and request id;
 - a result: its arrays (codes, log-probs, catalog rows, per-level log-probs), cached tokens,
   notes and timings; the HTTP process attaches its own decoder and filter to shape the answer;
 - errors as (kind, message, param, retry), raised again as the engine's own exception types;
@@ -90,8 +91,7 @@ class WireRequest:
     temperature: float
     seed: int | None
     catalog: tuple[str, int]
-    sid_bits: np.ndarray | None  # ItemFilter.packed_sids
-    item_bits: np.ndarray | None  # np.packbits(ItemFilter.item_mask)
+    sid_bits: np.ndarray | None  # ItemFilter.packed_sids: the search needs no item mask
     timeout: float | None
     request_id: str
 
@@ -140,8 +140,7 @@ def _wire_request(key: int, req: GenerationRequest, timeout: float | None, rid: 
     return WireRequest(
         key, req.prompt_ids, req.n, req.temperature, req.seed,
         (req.catalog.name, req.catalog.version),
-        f.packed_sids if f is not None else None,
-        np.packbits(f.item_mask) if f is not None else None, timeout, rid,
+        f.packed_sids if f is not None else None, timeout, rid,
     )  # fmt: skip
 
 
@@ -150,10 +149,6 @@ def _wire_result(result: GenerationResult) -> WireResult:
         result.codes, result.logprobs, result.nodes, result.level_logprobs,
         result.prompt_tokens, result.cached_tokens, result.notes, result.timings,
     )  # fmt: skip
-
-
-def _unpack(bits: np.ndarray, count: int) -> np.ndarray:
-    return np.unpackbits(bits, count=count).astype(bool)
 
 
 # -- the HTTP process's end ----------------------------------------------------------------
@@ -540,12 +535,8 @@ class _EngineWorker:
             self._post(("failed", wire.key, encode_error(error)))
             return
         item_filter = None
-        if wire.sid_bits is not None and wire.item_bits is not None and version.index is not None:
-            index = version.index
-            item_filter = ItemFilter(
-                _unpack(wire.sid_bits, len(index.catalog)),
-                _unpack(wire.item_bits, len(index.item_ids)), index,
-            )  # fmt: skip
+        if wire.sid_bits is not None and version.index is not None:
+            item_filter = ItemFilter.for_search(wire.sid_bits, version.index)
         try:
             request = GenerationRequest(
                 wire.prompt_ids, wire.n, wire.temperature, wire.seed, item_filter, version

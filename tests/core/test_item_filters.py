@@ -17,7 +17,7 @@ from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.catalogs import CatalogNotFoundError
 from flashrec_core.engine.engine import Engine
 from flashrec_core.registry import Registry
-from flashrec_core.search.filters import FilterError, FilterMasks, unpack_bits
+from flashrec_core.search.filters import FilterError, FilterMasks, ItemFilter, unpack_bits
 from flashrec_core.testing.beam_conformance import ATOL_SAME_ENGINE
 from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 from flashrec_core.testing.hf_beam import (
@@ -237,6 +237,23 @@ def test_packed_filter_bits_unpack_to_the_sid_masks() -> None:
         masks = rng.random((3, num)) < 0.3
         packed = torch.from_numpy(np.stack([np.packbits(m) for m in masks]))
         assert np.array_equal(unpack_bits(packed, num).numpy().astype(bool), masks)
+
+
+def test_a_search_only_filter_opens_what_the_full_filter_opens(setup) -> None:
+    """The engine process rebuilds each filter from its SID bits alone (`for_search`): the same
+    SID mask, the same closed count and the same level masks; it has no items to keep."""
+    engine = setup[0]["level"]
+    rng = random.Random(11)
+    full = [engine.create_filter(**_random_filter(engine, rng)) for _ in range(4)]
+    bits = [ItemFilter.for_search(f.packed_sids.copy(), f.index) for f in full]
+    trie, cpu = engine.catalogs.get().host_trie, torch.device("cpu")
+    for f, b in zip(full, bits):
+        assert np.array_equal(b.sid_mask, f.sid_mask) and b.num_closed == f.num_closed > 0
+    for a, b in zip(FilterMasks.create(full, engine.catalog_index, trie, cpu).levels,
+                    FilterMasks.create(bits, engine.catalog_index, trie, cpu).levels):  # fmt: skip
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="search-only"):
+        bits[0].keeps(engine.catalog_index.item_ids[0])
 
 
 @pytest.mark.parametrize("group", [16, 4])

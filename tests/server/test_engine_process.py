@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from flashrec_core.testing.hf_beam import assert_same_ranking
-from flashrec_core.testing.server_process import ServerProcess, read_metrics
+from flashrec_core.testing.server_process import ServerProcess, alive, read_metrics
 
 from . import test_api, test_catalogs, test_load, test_openapi_contract
 from .conftest import API_KEY, server_args
@@ -181,6 +181,22 @@ def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path)
         listing = httpx.get(proc.url + "/v1/catalogs", headers=HEADERS)  # a command: no reply
         assert listing.status_code == 503 and listing.json()["error"]["code"] == "engine_dead"
         assert read_metrics(proc.url) is not None  # /metrics still answers (no engine gauges)
+
+
+def test_a_killed_server_leaves_no_engine_process_behind(checkpoint: Path) -> None:
+    """SIGKILL gives the server no chance to stop its engine (a supervisor's last resort, the
+    OOM killer): the engine process must notice the pipe's end and exit by itself, freeing the
+    device, instead of living on as an orphan."""
+    with ServerProcess(server_args(checkpoint)) as proc:
+        engine = proc.engine_pid()
+        assert proc.proc is not None
+        proc.proc.kill()
+        proc.proc.wait(timeout=10)
+        # it drains for at most 5 s (nothing is in flight here), then exits
+        end = time.monotonic() + 30
+        while alive(engine):
+            assert time.monotonic() < end, "the engine process outlived its server by 30 s"
+            time.sleep(0.1)
 
 
 def test_bench_counts_both_processes_cpu_outside_the_engine_thread() -> None:

@@ -60,22 +60,38 @@ def _item_ids(value: Any, source: Path, key: str) -> tuple[str, ...]:
     return ids
 
 
-class _Pairs(list):
-    """A JSON object kept as its (key, value) pairs, so duplicate keys survive to be reported."""
+class _Repeated(dict):
+    """A JSON object with a repeated key: a dict as `json` would build it (the last value wins),
+    keeping its (key, value) pairs so that a SID object's repeats can be reported."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a plain dict unless a key repeats. Plain dicts need no second pass
+    (a hook that kept every object as pairs cost a million-item catalog's metadata 2 s more)."""
+    made = dict(pairs)
+    return made if len(made) == len(pairs) else _Repeated(pairs)
+
+
+def _pairs_of(obj: dict[str, Any]) -> list[tuple[str, Any]]:
+    return obj.pairs if isinstance(obj, _Repeated) else list(obj.items())
 
 
 def _read_json_pairs(path: Path) -> list[tuple[str, Any]]:
     """Top-level (key, value) pairs in file order (build_catalog rejects repeated keys)."""
     try:
-        top = json.loads(read_utf8(path, "catalog"), object_pairs_hook=_Pairs)
+        top = json.loads(read_utf8(path, "catalog"), object_pairs_hook=_object)
     except json.JSONDecodeError as e:
         raise CatalogError(f"catalog {path} is not valid JSON: {e}") from None
-    if not isinstance(top, _Pairs) or not top:
+    if not isinstance(top, dict) or not top:
         raise CatalogError(
             f'catalog {path} must be a non-empty JSON object {{"c1,c2,c3": item id, ...}}, '
             f"found {json.dumps(top)[:40]}"
         )
-    return top
+    return _pairs_of(top)
 
 
 def _split_metadata(
@@ -87,23 +103,14 @@ def _split_metadata(
     if "sids" not in top:
         return pairs, {}
     extra = sorted(set(top) - {"sids", "items"})
-    sids, items = top["sids"], top.get("items", _Pairs())
-    if extra or not isinstance(sids, _Pairs) or not sids or not isinstance(items, _Pairs):
+    sids, items = top["sids"], top.get("items", {})
+    if extra or not isinstance(sids, dict) or not sids or not isinstance(items, dict):
         raise CatalogError(
             f'catalog {path} has a "sids" key, so it must be {{"sids": {{"c1,c2,c3": item id, '
             f'...}}, "items": {{item id: {{attribute: value}}}}}} with a non-empty "sids" object'
             + (f"; unexpected keys {extra}" if extra else "")
         )
-    return list(sids), {key: _plain(value) for key, value in items}
-
-
-def _plain(value: Any) -> Any:
-    """JSON values parsed with _Pairs hooks back to plain dicts."""
-    if isinstance(value, _Pairs):
-        return {k: _plain(v) for k, v in value}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    return _pairs_of(sids), items
 
 
 def _load_json(path: Path, level_sizes: Sequence[int]) -> Catalog:

@@ -193,8 +193,8 @@ class _TraceState:
 class EngineClient:
     """The pipe to the engine process, with the calls the server makes of an `EngineLoop`."""
 
-    def __init__(self, settings: ServerSettings, front: EngineFront) -> None:
-        self._settings, self._front = settings, front
+    def __init__(self, settings: ServerSettings) -> None:
+        self._settings = settings
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child = ctx.Pipe()
         levels = {name: logging.getLogger(name).level for name in _LOGGERS}
@@ -221,29 +221,32 @@ class EngineClient:
 
     # -- start and stop --
 
-    def start(self, profile_to: Path | None = None) -> None:
-        """Start the engine process and wait until it has loaded the checkpoint (a load error
-        there is raised here, as a RuntimeError with its message)."""
-        del profile_to  # the engine process reads settings.profile_engine itself
+    def launch(self) -> None:
+        """Start the engine process; it loads the checkpoint and catalogs while this process
+        loads its front (`RemoteEngine.start`)."""
         self._process.start()
         self._child_end.close()
         self._reader = threading.Thread(target=self._read, name="flashrec-engine-pipe", daemon=True)
         self._reader.start()
+
+    def wait_loaded(self, front: EngineFront) -> None:
+        """Wait until the engine process has loaded (a load error there is raised here, as a
+        RuntimeError with its message) and check it serves the catalog versions `front` holds."""
         try:
             hello = self._hello.result(timeout=_LOAD_TIMEOUT_S)
         except futures.TimeoutError:
-            self._process.terminate()
+            self.abort()
             raise RuntimeError(
                 f"the engine process did not load the checkpoint in {_LOAD_TIMEOUT_S:.0f} s"
             ) from None
         self.limits, self.kv_slots, self.facts = hello["limits"], hello["kv_slots"], hello["facts"]
-        mine = sorted((v.name, v.version) for v in self._front.catalogs.current())
+        mine = sorted((v.name, v.version) for v in front.catalogs.current())
         if sorted(hello["catalogs"]) != mine:
             self.stop(0)
             raise RuntimeError(
                 f"the engine process loaded catalogs {hello['catalogs']}, this one {mine}"
             )
-        for version in self._front.catalogs.current():
+        for version in front.catalogs.current():
             self.track(version)
         logger.info("engine process %d: loaded", self._process.pid)
 
@@ -262,10 +265,15 @@ class EngineClient:
                 logger.warning("engine process did not stop cleanly: %s", exc)
         self._process.join(timeout=30)
         if self._process.is_alive():
-            logger.warning("engine process %d did not exit; terminating it", self._process.pid)
-            self._process.terminate()
-            self._process.join(timeout=10)
+            logger.warning("engine process %d did not exit; killing it", self._process.pid)
+            self.abort()
         self._conn.close()
+
+    def abort(self) -> None:
+        """End the engine process now, loaded or not (SIGKILL: it ignores SIGTERM, which is the
+        HTTP process's to handle)."""
+        self._process.kill()
+        self._process.join(timeout=10)
 
     # -- requests --
 
@@ -415,14 +423,20 @@ class RemoteEngine(EngineFront):
 
     @classmethod
     def start(cls, settings: ServerSettings) -> RemoteEngine:
-        """Load the front here (tokenizer, catalogs; no weights, no device), then start the
-        engine process and wait for its load."""
-        self = cls.from_config(settings.engine, settings.search)
-        assert isinstance(self, RemoteEngine)
-        for name, path in settings.catalogs.items():  # the engine process adds them alike
-            self.add_catalog(name, path)
-        self.loop = EngineClient(settings, self)
-        self.loop.start()
+        """Start the engine process, load the front here meanwhile (tokenizer, catalogs; no
+        weights, no device: the two loads overlap), then wait for the engine's load."""
+        client = EngineClient(settings)
+        client.launch()
+        try:
+            self = cls.from_config(settings.engine, settings.search)
+            assert isinstance(self, RemoteEngine)
+            for name, path in settings.catalogs.items():  # the engine process adds them alike
+                self.add_catalog(name, path)
+        except BaseException:  # a bad catalog or tokenizer: no engine process left behind
+            client.abort()
+            raise
+        self.loop = client
+        client.wait_loaded(self)
         return self
 
 

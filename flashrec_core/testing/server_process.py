@@ -53,9 +53,13 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (`wait_ready` waits)."""
         cmd = [sys.executable, "-m", "flashrec_core.cli", *self.args]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.wait_ready()
 
     def wait_ready(self) -> None:
         end = time.monotonic() + self.ready_timeout_s

@@ -13,8 +13,10 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -164,6 +166,67 @@ def test_a_load_error_in_the_engine_process_fails_the_command(
     with pytest.raises(RuntimeError, match="exited with 2") as failed:
         proc.start()
     assert weights.name in str(failed.value), str(failed.value)[-2000:]
+
+
+def test_a_bad_catalog_fails_the_command_and_ends_the_engine_process(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The engine process starts first and loads while the HTTP process loads its front; a
+    catalog the front refuses must fail `flashrec serve` with exit 2 and the catalog's error,
+    and end the engine process mid-load. The HTTP process is paused until the engine process
+    ignores SIGTERM (as it does from its first line: the HTTP process drains it), so a plain
+    exit, whose multiprocessing clean-up only sends SIGTERM, would leave it running."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"0,0,0": "a", "0,0,0": "b"}')
+    marker = f"FLASHREC_TEST_MARKER=flashrec-test-{uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    proc = ServerProcess(server_args(checkpoint, "--catalog", f"shop={bad}"), env={name: value})
+    proc.launch()
+    assert proc.proc is not None
+    engine = _wait_for(lambda: _spawned_child(proc))
+    proc.proc.send_signal(signal.SIGSTOP)
+    try:
+        _wait_for(lambda: _ignores_sigterm(engine))
+    finally:
+        proc.proc.send_signal(signal.SIGCONT)
+    assert proc.wait(timeout_s=60) == 2, proc.log()[-2000:]
+    assert "appears twice" in proc.log(), proc.log()[-2000:]
+    assert not _processes_with(marker), "an engine process was left"
+
+
+def _wait_for(probe: Any, timeout_s: float = 60.0) -> Any:
+    end = time.monotonic() + timeout_s
+    while not (found := probe()):
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+    return found
+
+
+def _spawned_child(server: ServerProcess) -> int | None:
+    try:
+        return server.engine_pid()
+    except AssertionError:
+        return None
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+    return bool(ignored & (1 << (signal.SIGTERM - 1)))
+
+
+def _processes_with(variable: str) -> list[int]:
+    """Live processes whose environment holds `variable` (NAME=VALUE)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and alive(int(entry)):
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if variable.encode() in environ:
+                found.append(int(entry))
+    return found
 
 
 def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path) -> None:

@@ -432,11 +432,14 @@ class RemoteEngine(EngineFront):
             assert isinstance(self, RemoteEngine)
             for name, path in settings.catalogs.items():  # the engine process adds them alike
                 self.add_catalog(name, path)
-        except BaseException:  # a bad catalog or tokenizer: no engine process left behind
+            self.loop = client
+            client.wait_loaded(self)
+        except BaseException:
+            # an error here or there, or Ctrl-C: end the engine process, loaded or not. Left
+            # to multiprocessing's exit clean-up it would get SIGTERM, which it ignores, and
+            # this process would wait for it forever.
             client.abort()
             raise
-        self.loop = client
-        client.wait_loaded(self)
         return self
 
 

@@ -46,8 +46,9 @@ class ItemFilter:
 
     The search reads the SIDs alone, as bits; the items are for shaping answers. The engine
     process (server/engine_process.py) receives the bits alone and rebuilds a search-only
-    filter (`for_search`, no `item_mask`): unpacking and re-packing a million-row mask there
-    cost 1-2 ms a request on the thread that feeds the engine loop."""
+    filter (`for_search`, no `item_mask`): unpacking both masks and re-packing the SIDs there
+    cost 0.2 ms a filtered request at a million rows (CPU machine) on the thread that feeds the
+    engine loop, and the item bits 125 KB more through the pipe."""
 
     packed_sids: np.ndarray = field(repr=False)
     """uint8, np.packbits of bool [catalog rows]: 1 where at least one of the SID's items is

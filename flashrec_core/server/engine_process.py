@@ -229,6 +229,12 @@ class EngineClient:
         self._reader = threading.Thread(target=self._read, name="flashrec-engine-pipe", daemon=True)
         self._reader.start()
 
+    def start(self, profile_to: Path | None = None) -> None:
+        """Where the server would start an `EngineLoop`: the engine process runs its loop from
+        its load on, so a loop not running here means the engine process has exited."""
+        del profile_to  # the engine process reads settings.profile_engine itself
+        raise EngineStoppedError("the engine process has exited; the server must be restarted")
+
     def wait_loaded(self, front: EngineFront) -> None:
         """Wait until the engine process has loaded (a load error there is raised here, as a
         RuntimeError with its message) and check it serves the catalog versions `front` holds."""

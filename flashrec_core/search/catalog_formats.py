@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from flashrec_core.search.catalog import Catalog, CatalogError, build_catalog
 
@@ -80,10 +81,46 @@ def _pairs_of(obj: dict[str, Any]) -> list[tuple[str, Any]]:
     return obj.pairs if isinstance(obj, _Repeated) else list(obj.items())
 
 
+_KEY_END = re.compile(r'"[ \t\n\r]*:')
+
+
+def _parse_json(text: str) -> Any:
+    """`json.loads` with repeated keys kept (`_object`), at orjson's speed where that is exact.
+
+    orjson parses a million-item catalog in a third of the time, but keeps the last value of a
+    repeated key without a word. So its result stands only when it holds as many keys as the
+    text writes. Every key is a string followed by a colon, so counting quotes followed by a
+    colon counts every key, plus any such pair inside a string (an escaped quote): the count
+    can only exceed the parsed keys, by a repeat or by such a pair. Equal counts mean neither.
+    Otherwise, or for a text orjson refuses (NaN, huge integers), the standard library parses
+    it and reports exactly as before."""
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if _count_keys(parsed) == len(_KEY_END.findall(text)):
+            return parsed
+    return json.loads(text, object_pairs_hook=_object)
+
+
+def _count_keys(value: Any) -> int:
+    """Keys of every object in a parsed JSON value."""
+    count, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            count += len(v)
+            stack.extend(x for x in v.values() if type(x) is dict or type(x) is list)
+        elif type(v) is list:
+            stack.extend(x for x in v if type(x) is dict or type(x) is list)
+    return count
+
+
 def _read_json_pairs(path: Path) -> list[tuple[str, Any]]:
     """Top-level (key, value) pairs in file order (build_catalog rejects repeated keys)."""
     try:
-        top = json.loads(read_utf8(path, "catalog"), object_pairs_hook=_object)
+        top = _parse_json(read_utf8(path, "catalog"))
     except json.JSONDecodeError as e:
         raise CatalogError(f"catalog {path} is not valid JSON: {e}") from None
     if not isinstance(top, dict) or not top:

@@ -95,6 +95,46 @@ def test_duplicate_json_keys_are_detected(tmp_path) -> None:
         load_catalog(path, SIZES)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        # whitespace before a colon: a count of quote-colon pairs alone would see one key, as
+        # many as orjson keeps, and miss the repeat
+        '{"0,0,0"\n :"a", "0,0,0":"b"}',
+        '{"sids": {"0,0,0": "a\\": x", "0,0,0": "b"}}',  # a quote and a colon in a value
+        '{"sids": {"0,0,0": "a", "1,1,1": "b", "0,0,0": "c"}, "items": {"a": {"k": NaN}}}',
+    ],
+)
+def test_repeated_keys_are_detected_whatever_parses_them(tmp_path, text: str) -> None:
+    """The loader parses with orjson where its result can be trusted (it drops a repeated key
+    silently) and with the standard library otherwise: every way in reports the repeat."""
+    path = write(tmp_path / "c.json", text)
+    with pytest.raises(CatalogError, match=r"key '0,0,0' appears twice"):
+        load_catalog(path, SIZES)
+
+
+def test_both_parsers_read_a_catalog_alike(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catalog without repeats, with metadata, nested values, escapes and odd spacing, loads
+    through orjson (the count holds) as through the standard library."""
+    import json
+
+    from flashrec_core.search import catalog_formats as formats
+
+    body = {"sids": {"0,0,0": "a", "1,2,3": ["b", 7], "2,0,1": "c"},
+            "items": {"a": {"tags": ["x", {"y": 1.5}], "n": 3}, "b": {"t": "é", "p": "C:\\d"}}}  # fmt: skip
+    text = json.dumps(body, indent=1, separators=(" ,", " : "))  # \u00e9, \\: escapes
+    path = write(tmp_path / "c.json", text)
+    assert formats._count_keys(formats.orjson.loads(text)) == len(formats._KEY_END.findall(text))
+    assert formats._parse_json(text) == body
+    fast = load_catalog(path, SIZES)
+    monkeypatch.setattr(
+        formats, "_parse_json", lambda t: json.loads(t, object_pairs_hook=formats._object)
+    )
+    slow = load_catalog(path, SIZES)
+    assert fast.items == slow.items and (fast.codes == slow.codes).all()
+    assert fast.metadata == slow.metadata == body["items"]
+
+
 def test_duplicate_item_in_one_sid(tmp_path) -> None:
     path = write(tmp_path / "c.csv", "a,1,1,1\nb,0,0,0\na,1,1,1\n")
     with pytest.raises(CatalogError, match=r"SID \(1, 1, 1\) lists an item id twice \('a', 'a'\)"):

@@ -95,12 +95,16 @@ class ServerProcess:
         assert self.proc is not None, "started"
         return [pid for pid in _live_pids() if _parent(pid) == self.proc.pid]
 
+    def find_engine_pid(self) -> int | None:
+        """The engine process (the child running multiprocessing's spawn), if there is one."""
+        spawned = (pid for pid in self.children() if b"spawn_main" in _read(f"/proc/{pid}/cmdline"))
+        return next(spawned, None)
+
     def engine_pid(self) -> int:
-        """The engine process: the child running multiprocessing's spawn."""
-        for pid in self.children():
-            if b"spawn_main" in _read(f"/proc/{pid}/cmdline"):
-                return pid
-        raise AssertionError("no engine process under the server (--no-engine-process?)")
+        pid = self.find_engine_pid()
+        if pid is None:
+            raise AssertionError("no engine process under the server (--no-engine-process?)")
+        return pid
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -117,6 +121,16 @@ def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie has exited; it only waits for its parent to reap it)."""
     stat = _read(f"/proc/{pid}/stat")
     return bool(stat) and stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+def pids_with_env(variable: str) -> list[int]:
+    """Live processes whose environment holds `variable` (NAME=VALUE): a server's children
+    inherit it, so it finds them after the server has gone."""
+    return [
+        pid
+        for pid in _live_pids()
+        if variable.encode() in _read(f"/proc/{pid}/environ").split(b"\0")
+    ]
 
 
 def _live_pids() -> list[int]:

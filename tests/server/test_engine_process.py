@@ -22,7 +22,12 @@ import httpx
 import pytest
 
 from flashrec_core.testing.hf_beam import assert_same_ranking
-from flashrec_core.testing.server_process import ServerProcess, alive, read_metrics
+from flashrec_core.testing.server_process import (
+    ServerProcess,
+    alive,
+    pids_with_env,
+    read_metrics,
+)
 
 from . import test_api, test_catalogs, test_load, test_openapi_contract
 from .conftest import API_KEY, server_args
@@ -179,7 +184,7 @@ def test_ctrl_c_during_start_ends_both_processes(checkpoint: Path) -> None:
     proc = ServerProcess(server_args(checkpoint), env={name: value})
     proc.launch()
     assert proc.proc is not None
-    engine = _wait_for(lambda: _spawned_child(proc))
+    engine = _wait_for(proc.find_engine_pid)
     # then it loads the checkpoint (seconds), while the HTTP process waits for it
     _wait_for(lambda: _ignores(engine, signal.SIGTERM) and _ignores(engine, signal.SIGINT))
     proc.proc.send_signal(signal.SIGINT)
@@ -188,7 +193,7 @@ def test_ctrl_c_during_start_ends_both_processes(checkpoint: Path) -> None:
     finally:
         proc.stop()
     assert "KeyboardInterrupt" in proc.log(), proc.log()[-2000:]
-    assert not _processes_with(marker), "an engine process was left"
+    assert not pids_with_env(marker), "an engine process was left"
 
 
 def _wait_for(probe: Any, timeout_s: float = 60.0) -> Any:
@@ -199,31 +204,10 @@ def _wait_for(probe: Any, timeout_s: float = 60.0) -> Any:
     return found
 
 
-def _spawned_child(server: ServerProcess) -> int | None:
-    try:
-        return server.engine_pid()
-    except AssertionError:
-        return None
-
-
 def _ignores(pid: int, signum: int) -> bool:
     status = Path(f"/proc/{pid}/status").read_text()
     ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
     return bool(ignored & (1 << (signum - 1)))
-
-
-def _processes_with(variable: str) -> list[int]:
-    """Live processes whose environment holds `variable` (NAME=VALUE)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and alive(int(entry)):
-            try:
-                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if variable.encode() in environ:
-                found.append(int(entry))
-    return found
 
 
 def test_a_dead_engine_process_fails_requests_with_503_not_500(checkpoint: Path) -> None:

@@ -169,7 +169,7 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProce
 
     start = time.monotonic()
     children = busy_server.children()  # the engine process (unless --no-engine-process)
-    engine = _engine_pid_or_none(busy_server)
+    engine = busy_server.find_engine_pid()
     answers, late = asyncio.run(scenario())
     assert [r.status_code for r in answers] == [200] * 60, "requests in flight complete"
     assert isinstance(late, httpx.ConnectError) or late == 503, late
@@ -182,13 +182,6 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProce
     while (left := [pid for pid in children if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, "a child process outlived the server"
-
-
-def _engine_pid_or_none(server: ServerProcess) -> int | None:
-    try:
-        return server.engine_pid()
-    except AssertionError:  # --no-engine-process
-        return None
 
 
 def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_path: Path) -> None:

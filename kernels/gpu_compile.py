@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "compiled_launches", "run_compile_script"]
+__all__ = ["CompiledLaunch", "compiled_launches", "loop_schedule", "run_compile_script"]
 
 _POINTER_TYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -40,6 +40,10 @@ class CompiledLaunch:
     spill_bytes: int
     """Bytes of register spill stores plus loads per thread: local-memory traffic in a kernel
     meant to run at memory bandwidth (0 for every default launch; tests/kernels checks it)."""
+    ttgir: str = ""
+    """The Triton GPU IR after the compiler's passes: where its pipeliner put each loop's
+    asynchronous copies, their shared-memory buffers, the waits and the tensor-core dots
+    (`loop_schedule` lists them)."""
 
 
 @dataclass
@@ -74,7 +78,14 @@ class _Recorder:
         ptx = compiled.asm["ptx"]
         registers, spills = _ptxas_resources(ptx, self.arch)
         self.launches.append(
-            CompiledLaunch(fn.__name__, ptx, len(compiled.asm["cubin"]), registers, spills)
+            CompiledLaunch(
+                fn.__name__,
+                ptx,
+                len(compiled.asm["cubin"]),
+                registers,
+                spills,
+                compiled.asm["ttgir"],
+            )  # fmt: skip
         )
 
 
@@ -150,6 +161,31 @@ def compiled_launches(arch: int = 90) -> Iterator[list[CompiledLaunch]]:
         yield recorder.launches
     finally:
         JITFunction.run = original_run  # type: ignore[method-assign]
+
+
+_SCHEDULE_OPS = re.compile(
+    r"scf\.for|scf\.yield|ttg\.async_copy_global_to_local|ttg\.async_wait|"
+    r"ttng\.warp_group_dot(_wait)?|ttg\.local_alloc : \(\)|tt\.load|tt\.dot"
+)
+_SSA_NAME = re.compile(r"^\s*(%[\w.#:]+\s*=\s*)")
+
+
+def loop_schedule(ttgir: str) -> list[str]:
+    """The lines of `ttgir` that show how its loops are pipelined, in order, trimmed to the
+    operation: loop heads and ends, shared-memory buffers (`local_alloc : ()`: the leading
+    dimension is the number of stages a load is buffered for), asynchronous copies and their
+    waits, plain loads, and the dots with their waits (Hopper's `warp_group_dot`;
+    `pendings = 0` waits for every dot in flight). Session 35 read the prefill attention
+    kernel's loop this way: one buffer for each of K and V, each chunk's copies issued after
+    the chunk before had finished with them (docs/benchmarks.md)."""
+    out = []
+    for line in ttgir.splitlines():
+        match = _SCHEDULE_OPS.search(line)
+        if match is None:
+            continue
+        text = _SSA_NAME.sub("", line).strip()
+        out.append(text.split(" loc(")[0][:160])
+    return out
 
 
 def run_compile_script(script: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:

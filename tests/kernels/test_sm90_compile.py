@@ -15,7 +15,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 _SCRIPT = """
 import torch
-from flashrec_kernels.gpu_compile import compiled_launches
+from flashrec_kernels.gpu_compile import compiled_launches, loop_schedule
 from flashrec_kernels.trie_topk import CsrLevel, DenseLevel
 from flashrec_kernels import triton_beam_attention as att, triton_quant, triton_rms_norm
 from flashrec_kernels import triton_prefill_attention, triton_rope, triton_silu_mul, triton_trie_topk
@@ -86,6 +86,11 @@ spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done
 assert not spilled, f"default launches spill registers (kernel, registers, bytes): {spilled}"
 for kernel in timed:  # the dots run on Hopper's tensor cores
     assert any("wgmma" in c.ptx for c in done if c.kernel == kernel), kernel
+# the schedule the pipeliner gave the prefill kernel's default launch: its loops, each chunk's
+# K and V copied asynchronously into shared memory, both dots on the tensor cores
+schedule = loop_schedule(next(c for c in done if c.kernel == "_prefill_attention_kernel").ttgir)
+for op in ("scf.for", "ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot "):
+    assert any(line.startswith(op) for line in schedule), (op, schedule)
 print("compiled", len(done), names)
 """
 

@@ -60,4 +60,8 @@ def serve(settings: ServerSettings) -> int:
 
 
 def _drained(signum: int, _frame: object) -> None:
+    """uvicorn re-raises every stop signal it caught once it has drained (two for a double
+    Ctrl-C): log the first, and ignore the rest, the process being about to exit."""
     logger.info("stopped by %s after draining", signal.Signals(signum).name)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)

@@ -184,6 +184,18 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_server: ServerProce
     assert not left, "a child process outlived the server"
 
 
+def test_a_second_sigterm_while_draining_still_exits_0(checkpoint: Path) -> None:
+    """uvicorn replays each stop signal it caught once it has drained: the first ends the
+    command with exit 0 and one log line, the second (an impatient supervisor, a double
+    Ctrl-C) neither kills the process nor logs again."""
+    with ServerProcess(server_args(checkpoint)) as proc:
+        proc.terminate()
+        time.sleep(0.2)
+        proc.terminate()
+        assert proc.wait(timeout_s=60) == 0, proc.log()[-3000:]
+        assert proc.log().count("after draining") == 1, proc.log()[-3000:]
+
+
 def test_profile_engine_writes_the_engine_threads_profile(checkpoint: Path, tmp_path: Path) -> None:
     profile = tmp_path / "engine.prof.txt"
     with ServerProcess(server_args(checkpoint, "--profile-engine", str(profile))) as proc:

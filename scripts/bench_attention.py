@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import flashrec_kernels.triton_beam_attention as tba
 import torch
 import triton.testing
 
+import flashrec_kernels.triton_beam_attention as tba
 from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 from flashrec_core.attention.triton_beam import TritonBeamAttention
 from flashrec_core.engine.beam_wave import prepare_beam_decode

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import triton.testing
+
 from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 from flashrec_kernels.triton_rms_norm import launch_rms_norm_quant_fp8
 from flashrec_kernels.triton_rope import launch_rope_norm_store

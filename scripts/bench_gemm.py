@@ -82,7 +82,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
     # the launch table flashrec_kernels reads for this GPU once copied to
-    # kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py)
+    # flashrec_kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py)
     (out / "fp8_gemm_tuned.json").write_text(json.dumps(launch_table(small), indent=1))
     (out / "bench_gemm.json").write_text(
         json.dumps(

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 import triton.testing
-from flashrec_kernels.prefill_attention import prefill_tiles
-from flashrec_kernels.triton_prefill_attention import launch_prefill_attention
 
 from flashrec_core.attention.flashinfer import FlashInferAttentionBackend
 from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import ForwardBatch
+from flashrec_kernels.prefill_attention import prefill_tiles
+from flashrec_kernels.triton_prefill_attention import launch_prefill_attention
 
 HQ, HKV, D = 16, 8, 128
 DEV = torch.device("cuda")

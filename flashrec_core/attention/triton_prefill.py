@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PrefillKernelPlan:
-    """A prefill's device int32 index tensors in the kernel's layout (kernels/prefill_attention.py)."""
+    """A prefill's device int32 index tensors in the kernel's layout (flashrec_kernels/prefill_attention.py)."""
 
     qo_indptr: torch.Tensor  # [B + 1]
     kv_indptr: torch.Tensor  # [B + 1]

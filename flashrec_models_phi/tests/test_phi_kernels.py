@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 from flashrec_models_phi.kernels import (
     gelu_tanh_quant_fp8,
     gelu_tanh_quant_fp8_ref,
@@ -16,6 +15,7 @@ from flashrec_models_phi.kernels import (
 )
 
 from flashrec_core.layers import BuildContext, GeluTanh, LayerNorm, QuantizedActivation
+from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 
 # numpy (the interpreter's exp) warns when exp(-2u) overflows for x < ~-10.5; the result,
 # x / inf = -0, is GELU's limit, in the reference as well.

@@ -35,7 +35,8 @@ rope_scaling.rope_type, which the core must parse (like "yarn"); it names a meth
 
 def _family_names() -> list[str]:
     found = []
-    for folder in ("flashrec_core", "kernels"):
+    for folder in ("flashrec_core", "flashrec_kernels"):
+        assert (ROOT / folder / "__init__.py").is_file(), f"no package {folder} to scan"
         for path in sorted((ROOT / folder).rglob("*.py")):
             for lineno, line in enumerate(path.read_text().splitlines(), 1):
                 for m in FAMILY_RE.finditer(line):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from flashrec_kernels import quantize_rows_ref
 from flashrec_kernels.device import check_triton_device
 from flashrec_kernels.fp8 import check_rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from flashrec_kernels.triton_fp8 import fp8_scale, to_fp8
 from flashrec_kernels.triton_quant import empty_fp8_rows
 

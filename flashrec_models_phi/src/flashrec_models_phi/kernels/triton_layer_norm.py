@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from flashrec_kernels.triton_fp8 import cast_for_store, quantize_row_fp8
 from flashrec_kernels.triton_quant import empty_fp8_rows, row_launch_config
 

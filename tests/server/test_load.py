@@ -190,7 +190,8 @@ def test_a_second_sigterm_while_draining_still_exits_0(checkpoint: Path) -> None
     Ctrl-C) neither kills the process nor logs again."""
     with ServerProcess(server_args(checkpoint)) as proc:
         proc.terminate()
-        time.sleep(0.2)
+        time.sleep(0.05)
+        assert proc.proc is not None and proc.proc.poll() is None, "still draining"
         proc.terminate()
         assert proc.wait(timeout_s=60) == 0, proc.log()[-3000:]
         assert proc.log().count("after draining") == 1, proc.log()[-3000:]

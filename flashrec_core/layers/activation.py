@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from flashrec_kernels import gelu_tanh_mul_quant_fp8_ref, silu_mul_quant_fp8_ref
 from torch import nn
 
 from flashrec_core.layers.quant import QuantizedActivation
+from flashrec_kernels import gelu_tanh_mul_quant_fp8_ref, silu_mul_quant_fp8_ref
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

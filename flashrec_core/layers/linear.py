@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from flashrec_kernels import fp8_gemm_rows
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
@@ -15,6 +14,7 @@ from flashrec_core.layers.quant import (
     fp8_linear,
     quantize_per_token,
 )
+from flashrec_kernels import fp8_gemm_rows
 
 
 class Linear(nn.Module):

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from flashrec_kernels import rms_norm_quant_fp8_ref
 from torch import nn
 
 from flashrec_core.layers.context import BuildContext
 from flashrec_core.layers.quant import QuantizedActivation
+from flashrec_kernels import rms_norm_quant_fp8_ref
 
 
 def rms_norm(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
 from flashrec_kernels import FP8_DTYPE as FP8_DTYPE  # re-exported by flashrec_core.layers
 from flashrec_kernels import FP8_MAX as FP8_MAX
 from flashrec_kernels import (

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from flashrec_kernels import TrieTopK, stable_topk, trie_topk, trie_topk_ref
 
 from flashrec_core.search.trie import Trie
+from flashrec_kernels import TrieTopK, stable_topk, trie_topk, trie_topk_ref
 
 NEG_INF = float("-inf")
 

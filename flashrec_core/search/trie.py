@@ -23,6 +23,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
+
 from flashrec_kernels import CsrLevel, DenseLevel
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from flashrec_kernels import DenseLevel
 
 from flashrec_core.search.trie import Trie, TrieChildren
+from flashrec_kernels import DenseLevel
 
 
 class UnconstrainedTrie(Trie):

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
 from flashrec_kernels import FP8_DTYPE, beam_cascade_attention, beam_cascade_attention_ref
 
 NUM_SLOTS = 512

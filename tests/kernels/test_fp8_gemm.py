@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from flashrec_kernels import FP8_DTYPE, fp8_gemm, fp8_gemm_ref, quantize_rows_ref
 
 U = 2.0**-24

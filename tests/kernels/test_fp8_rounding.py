@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from flashrec_kernels import FP8_DTYPE, FP8_MAX
 from flashrec_kernels.testing import ulp_distance
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from flashrec_kernels import gelu_tanh_mul_quant_fp8, gelu_tanh_mul_quant_fp8_ref
 from flashrec_kernels.testing import assert_fp8_close
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import flashrec_kernels
 import pytest
 import torch
+
+import flashrec_kernels
 from flashrec_kernels.device import check_triton_device
 from flashrec_kernels.testing import ulp_distance
 

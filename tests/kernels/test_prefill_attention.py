@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
 from flashrec_kernels import FP8_DTYPE, prefill_attention, prefill_attention_ref, prefill_tiles
 
 NUM_SLOTS = 600

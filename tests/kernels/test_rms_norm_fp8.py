@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from flashrec_kernels import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 

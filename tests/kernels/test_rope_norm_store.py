@@ -8,6 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+
 from flashrec_kernels import FP8_DTYPE, rope_norm_store, rope_norm_store_ref
 from flashrec_kernels.testing import assert_ulp_close
 

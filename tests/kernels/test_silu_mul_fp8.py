@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from flashrec_kernels import silu_mul_quant_fp8, silu_mul_quant_fp8_ref
 from flashrec_kernels.testing import assert_fp8_close
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import flashrec_kernels.triton_trie_topk as triton_trie_topk
 import pytest
 import torch
+
+import flashrec_kernels.triton_trie_topk as triton_trie_topk
 from flashrec_kernels import (
     CsrLevel,
     DenseLevel,

@@ -77,16 +77,10 @@ class _Recorder:
         compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
         ptx = compiled.asm["ptx"]
         registers, spills = _ptxas_resources(ptx, self.arch)
-        self.launches.append(
-            CompiledLaunch(
-                fn.__name__,
-                ptx,
-                len(compiled.asm["cubin"]),
-                registers,
-                spills,
-                compiled.asm["ttgir"],
-            )  # fmt: skip
+        launch = CompiledLaunch(
+            fn.__name__, ptx, len(compiled.asm["cubin"]), registers, spills, compiled.asm["ttgir"]
         )
+        self.launches.append(launch)
 
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
@@ -180,8 +174,7 @@ def loop_schedule(ttgir: str) -> list[str]:
     the chunk before had finished with them (docs/benchmarks.md)."""
     out = []
     for line in ttgir.splitlines():
-        match = _SCHEDULE_OPS.search(line)
-        if match is None:
+        if not _SCHEDULE_OPS.search(line):
             continue
         text = _SSA_NAME.sub("", line).strip()
         out.append(text.split(" loc(")[0][:160])

@@ -53,6 +53,8 @@ VARIANTS = {
     "n64 s2": {"block_n": 64, "num_stages": 2},  # the unsplit launch before session 28
     "n128 s2": {"block_n": 128, "num_stages": 2},
     "n128 s4": {"block_n": 128, "num_stages": 4},
+    # the first depth with two shared-memory buffers for K and V (session 35, loop_schedule)
+    "n128 s5": {"block_n": 128, "num_stages": 5},
 }
 
 

@@ -46,11 +46,14 @@ CASES = [
 ]
 # (block_m, block_n, num_warps, num_stages)
 CONFIGS = [
-    (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 8, 2), (64, 32, 4, 3),
+    (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 5), (128, 128, 4, 2), (128, 64, 8, 2),
+    (128, 64, 8, 3), (128, 64, 8, 5), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+    (64, 128, 8, 2), (64, 32, 4, 3),
 ]  # fmt: skip
 """The default first (its output is the one printed); session 20's H200 run timed 8 of these
-(docs/benchmarks.md)."""
+(docs/benchmarks.md). 5 stages: the first depth at which Triton 3.6 gives K and V two
+shared-memory buffers, so a chunk's copies overlap the chunk before's dots (at 2-4 stages one
+buffer each: `flashrec_kernels.gpu_compile.loop_schedule`, session 35)."""
 
 
 def _case(new: int, cached: int, prompts: int, slots: int):

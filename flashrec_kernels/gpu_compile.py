@@ -40,6 +40,9 @@ class CompiledLaunch:
     spill_bytes: int
     """Bytes of register spill stores plus loads per thread: local-memory traffic in a kernel
     meant to run at memory bandwidth (0 for every default launch; tests/kernels checks it)."""
+    shared_bytes: int = 0
+    """Shared memory a program takes (Triton's metadata): against the GPU's per-block limit,
+    whether the launch can run there at all (an H100 allows 227 KB; consumer parts about 100)."""
     ttgir: str = ""
     """The Triton GPU IR after the compiler's passes: where its pipeliner put each loop's
     asynchronous copies, their shared-memory buffers, the waits and the tensor-core dots
@@ -78,8 +81,9 @@ class _Recorder:
         ptx = compiled.asm["ptx"]
         registers, spills = _ptxas_resources(ptx, self.arch)
         launch = CompiledLaunch(
-            fn.__name__, ptx, len(compiled.asm["cubin"]), registers, spills, compiled.asm["ttgir"]
-        )
+            fn.__name__, ptx, len(compiled.asm["cubin"]), registers, spills,
+            compiled.metadata.shared, compiled.asm["ttgir"],
+        )  # fmt: skip
         self.launches.append(launch)
 
 

@@ -8,8 +8,9 @@ over a long cached prompt. Timed with `triton.testing.do_bench` (CUDA events); e
 configuration's output is checked against FlashInfer's before it is timed. Each case also times
 the default launch over the same keys and values laid out otherwise (`_layout_rows`): FP8 in
 consecutive slots, and bf16 (the FP8 values, exactly) in consecutive and scattered slots: what
-the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Usage (on the
-GPU):
+the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Last, FlashInfer's
+FA3 (sm90) paged prefill with the queries quantized to FP8 (`_fa3_fp8_rows`): 0.6.13 runs an FP8
+cache on sm90 only with FP8 queries. Usage (on the GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
@@ -135,7 +136,57 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
     row["best"], row["best_us"] = best
     row["best_tflops"] = flops / (best[1] * 1e-6) / 1e12
     row.update(_layout_rows(name, step, pool, q, ref))
+    _label(name, "FlashInfer FA3, FP8 queries")
+    try:
+        row.update(_fa3_fp8_rows(step, pool, q, ref))
+    except Exception as exc:  # a JIT or plan failure is a finding, not the end of the run
+        row["fa3_fp8q_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return row
+
+
+def _fa3_fp8_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
+    """FlashInfer's FA3 paged prefill over the same FP8 pool with FP8 queries, one scale a q head
+    (its amax / 448, as FA3's per-head `scale_q` takes it): timed alone and with the
+    quantization (torch ops; an engine would fuse it into the RoPE kernel). Its max |diff|
+    against FlashInfer's bf16-query output, and against the Triton kernel given the same
+    quantized queries (dequantized to bf16): the queries' rounding apart from the kernel's."""
+    import flashinfer
+
+    fp8 = torch.float8_e4m3fn
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+    kv_indptr = step.kv_indptr.to(DEV, torch.int32)
+    wrapper.plan(
+        step.qo_indptr.to(DEV, torch.int32), kv_indptr, step.kv_indices.to(DEV, torch.int32),
+        torch.ones(kv_indptr.numel() - 1, dtype=torch.int32, device=DEV), HQ, HKV, D, 1,
+        causal=True, q_data_type=fp8, kv_data_type=pool.dtype, o_data_type=torch.bfloat16,
+    )  # fmt: skip
+    kv = (pool.k_cache[0].unsqueeze(1), pool.v_cache[0].unsqueeze(1))
+    ones = torch.ones(HKV, dtype=torch.float32, device=DEV)
+
+    def quantize() -> tuple[torch.Tensor, torch.Tensor]:
+        scale = q.abs().amax(dim=(0, 2)).float().clamp(min=1e-12) / torch.finfo(fp8).max
+        return (q / scale[None, :, None]).to(fp8), scale
+
+    q8, scale = quantize()
+    attend = functools.partial(wrapper.run, q8, kv, scale, ones, ones)
+    got = attend().float()
+
+    def quantized_and_attend() -> torch.Tensor:
+        queries, scales = quantize()
+        return wrapper.run(queries, kv, scales, ones, ones)
+
+    rows = {
+        "fa3_fp8q_us": triton.testing.do_bench(attend, rep=100) * 1e3,
+        "fa3_fp8q_with_quant_us": triton.testing.do_bench(quantized_and_attend, rep=100) * 1e3,
+        "fa3_fp8q_maxdiff": float((got - ref).abs().max()),
+        "fa3_fp8q_meandiff": float((got - ref).abs().mean()),
+    }
+    dequantized = (q8.float() * scale[None, :, None]).to(torch.bfloat16)
+    _, same_q = _triton_us(step, pool, dequantized, CONFIGS[0], None)
+    rows["fa3_fp8q_vs_triton_same_q_maxdiff"] = float((got - same_q).abs().max())
+    rows["triton_fp8q_meandiff"] = float((same_q - ref).abs().mean())
+    return rows
 
 
 def _layout_rows(name: str, step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -188,10 +239,19 @@ def main() -> None:
             f"{max(row[k] for k in row if k.startswith('layout_') and k.endswith('maxdiff')):.4f})",
             flush=True,
         )
+        fa3 = row.get("fa3_fp8q_error") or (
+            f"{row['fa3_fp8q_us']:.1f} us ({row['fa3_fp8q_with_quant_us']:.1f} with the "
+            f"quantization), max |diff| {row['fa3_fp8q_maxdiff']:.4f} (mean "
+            f"{row['fa3_fp8q_meandiff']:.5f}; Triton on the same FP8 queries: mean "
+            f"{row['triton_fp8q_meandiff']:.5f}, max |diff| to FA3 "
+            f"{row['fa3_fp8q_vs_triton_same_q_maxdiff']:.4f})"
+        )
+        print(f"{'':28s} FlashInfer FA3, FP8 queries: {fa3}", flush=True)
         torch.cuda.empty_cache()
-    (out / "bench_prefill_attention.json").write_text(
-        json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1)
-    )
+        # after every case: a later case's fault would otherwise lose the earlier ones
+        (out / "bench_prefill_attention.json").write_text(
+            json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

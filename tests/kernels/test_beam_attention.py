@@ -118,11 +118,14 @@ def test_ref_matches_flat_fp64_attention(
 
 
 # (rows per request, prefix lens, Hq, Hkv, D, S): groups 1/2/4, D 64/128, a 1-row request,
-# prefix lens 1 and non-multiples of BLOCK_N, a request spanning several BLOCK_N chunks.
+# prefix lens 1 and non-multiples of BLOCK_N, requests spanning several BLOCK_N chunks.
 KERNEL_CASES = [
     ([3, 1, 5], [70, 1, 37], 2, 2, 64, 1),
     ([1, 4, 2], [1, 130, 64], 4, 2, 128, 2),
     ([2, 6, 1, 3], [17, 1, 65, 200], 8, 2, 64, 3),
+    # prompts of 8 and 5 of the unsplit launch's 128-slot chunks: the 5-stage pipeline's steady
+    # state (`unsplit_stages`), past its prologue, on a GPU
+    ([2, 3], [1000, 517], 4, 2, 128, 2),
 ]
 
 

@@ -38,7 +38,7 @@ from .triton_beam_attention import (
     split_partials,
     use_f16_dots,
 )
-from .triton_fp8 import cast_for_store
+from .triton_fp8 import cast_for_store, fp8_scale, to_fp8
 
 __all__ = ["NUM_STAGES", "NUM_WARPS", "default_block_n", "launch_prefill_attention"]
 
@@ -59,10 +59,11 @@ def _chunk(
     q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s, vc_stride_s,
     m_i, l_i, acc, qk_scale, cap_log2, window,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-    MASKED: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
 ):  # fmt: skip
     """Fold keys [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). MASKED: the chunk
-    crosses the causal diagonal, the sliding window or `hi` (the keys' end)."""
+    crosses the causal diagonal, the sliding window or `hi` (the keys' end). FP8_QK: q holds
+    e4m3 codes and the keys enter the score dot as loaded (qk_scale carries each row's scale)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     if MASKED:
@@ -75,7 +76,11 @@ def _chunk(
     else:
         slots = tl.load(idx_ptr + offs_n).to(tl.int64)
         k = tl.load(k_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
-    s = _scores(tl.dot(q, tl.trans(_operand(k, F16, INTERPRET))), qk_scale, cap_log2, SOFTCAP)
+    if FP8_QK:
+        qk = tl.dot(q, tl.trans(k))
+    else:
+        qk = tl.dot(q, tl.trans(_operand(k, F16, INTERPRET)))
+    s = _scores(qk, qk_scale, cap_log2, SOFTCAP)
     if MASKED:
         seen = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
         if WINDOW:
@@ -101,7 +106,7 @@ def _prefill_attention_kernel(
     o_stride_t, o_stride_h, part_stride_split, qk_scale, cap_log2, window,
     GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,7 +131,13 @@ def _prefill_attention_kernel(
         q_ptr + rows[:, None] * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=mask_m[:, None], other=0.0,
     )  # fmt: skip
-    q = _query_operand(q, F16, INTERPRET)
+    if FP8_QK:  # each packed row's e4m3 codes, its scale folded into the score scale
+        q = q.to(tl.float32)
+        q_scale = fp8_scale(tl.max(tl.abs(q), axis=1))[:, None]
+        q = to_fp8(q, q_scale)
+        qk_scale = qk_scale * q_scale
+    else:
+        q = _query_operand(q, F16, INTERPRET)
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -154,14 +165,14 @@ def _prefill_attention_kernel(
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16, FP8_QK,
             )  # fmt: skip
             n0 += BLOCK_N
         while n0 < hi:
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16, FP8_QK,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
@@ -169,13 +180,13 @@ def _prefill_attention_kernel(
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16,
+                D, BLOCK_N, INTERPRET, SOFTCAP, False, WINDOW, F16, FP8_QK,
             )  # fmt: skip
         for n0 in range(full, hi, BLOCK_N):
             m_i, l_i, acc = _chunk(
                 q, k_ptr, v_ptr, idx_ptr, n0, hi, pos, kc_head, vc_head, kc_stride_s,
                 vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, window,
-                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16,
+                D, BLOCK_N, INTERPRET, SOFTCAP, True, WINDOW, F16, FP8_QK,
             )  # fmt: skip
 
     if SPLITS == 1:
@@ -212,11 +223,20 @@ def launch_prefill_attention(
     num_stages: int = NUM_STAGES,
     num_splits: int | None = None,
     f16_dots: bool | None = None,
+    fp8_scores: bool = False,
 ) -> None:
     """Launch the (tiles, Hkv, splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper. block_n defaults to `default_block_n(head_dim)`,
     num_splits to `auto_num_splits` of the grid (the beam kernel's rule), f16_dots as
-    `use_f16_dots` decides."""
+    `use_f16_dots` decides.
+
+    fp8_scores (an experiment, off everywhere but scripts/bench_prefill_attention.py): the
+    score dot on FP8 tensor cores, each packed query row quantized in the kernel to e4m3 with
+    its own scale (amax / 448) and the FP8 keys taken as loaded, with no conversion; values and
+    P stay as `f16_dots` has them. Twice the dot rate and half the conversions, for queries
+    rounded to 4 significant bits instead of 8. Needs an FP8 cache."""
+    if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
     num_tiles, num_tokens = tiles.shape[0], q.shape[0]
     if num_tiles == 0 or num_tokens == 0:
         return
@@ -237,7 +257,7 @@ def launch_prefill_attention(
         BLOCK_N=default_block_n(head_dim) if block_n is None else block_n, SPLITS=num_splits,
         INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
         WINDOW=window is not None,
-        F16=use_f16_dots(k_cache, f16_dots),
+        F16=use_f16_dots(k_cache, f16_dots), FP8_QK=fp8_scores,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)

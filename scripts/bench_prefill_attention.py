@@ -8,9 +8,10 @@ over a long cached prompt. Timed with `triton.testing.do_bench` (CUDA events); e
 configuration's output is checked against FlashInfer's before it is timed. Each case also times
 the default launch over the same keys and values laid out otherwise (`_layout_rows`): FP8 in
 consecutive slots, and bf16 (the FP8 values, exactly) in consecutive and scattered slots: what
-the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Last, FlashInfer's
-FA3 (sm90) paged prefill with the queries quantized to FP8 (`_fa3_fp8_rows`): 0.6.13 runs an FP8
-cache on sm90 only with FP8 queries. Usage (on the GPU):
+the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Two experiments
+with FP8 queries: the default launch with its score dot on FP8 operands (`fp8_scores`), and
+FlashInfer's FA3 (sm90) paged prefill (`_fa3_fp8_rows`; 0.6.13 runs an FP8 cache on sm90 only
+with FP8 queries), each with its error against FlashInfer's bf16-query output. Usage (on the GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
@@ -85,10 +86,11 @@ def _flashinfer_us(step, pool: KVPool, q: torch.Tensor, prompts: int):
 
 def _triton_us(
     step, pool: KVPool, q: torch.Tensor, config: tuple[int, int, int, int], splits: int | None,
-    f16_dots: bool | None = None,
+    f16_dots: bool | None = None, fp8_scores: bool = False,
 ):  # fmt: skip
     """(us, output) of the Triton kernel in one launch configuration (`splits` None: the
-    kernel's own choice of split-KV; `f16_dots` None: the kernel's own choice of dot type)."""
+    kernel's own choice of split-KV; `f16_dots` None: the kernel's own choice of dot type;
+    `fp8_scores`: the score dot on FP8 operands, the queries rounded in the kernel)."""
     bm, bn, warps, stages = config
     tiles = prefill_tiles(step.qo_indptr, step.kv_indptr, HQ // HKV, bm).to(DEV)
     out = torch.empty_like(q)
@@ -97,6 +99,7 @@ def _triton_us(
         step.qo_indptr.to(DEV, torch.int32), step.kv_indptr.to(DEV, torch.int32),
         step.kv_indices.to(DEV, torch.int32), tiles, D**-0.5, out, None, None, bm, bn,
         num_warps=warps, num_stages=stages, num_splits=splits, f16_dots=f16_dots,
+        fp8_scores=fp8_scores,
     )  # fmt: skip
     run()
     return triton.testing.do_bench(run, rep=100) * 1e3, out.float()
@@ -134,6 +137,11 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
         if best is None or us < best[1]:
             best = (key, us)
     row["best"], row["best_us"] = best
+    _label(name, "Triton default, FP8 score dot (an experiment)")
+    us, got = _triton_us(step, pool, q, CONFIGS[0], None, fp8_scores=True)
+    row["triton_fp8_scores_us"] = us
+    row["triton_fp8_scores_maxdiff"] = float((got - ref).abs().max())
+    row["triton_fp8_scores_meandiff"] = float((got - ref).abs().mean())
     row["best_tflops"] = flops / (best[1] * 1e-6) / 1e12
     row.update(_layout_rows(name, step, pool, q, ref))
     _label(name, "FlashInfer FA3, FP8 queries")
@@ -246,7 +254,12 @@ def main() -> None:
             f"{row['triton_fp8q_meandiff']:.5f}, max |diff| to FA3 "
             f"{row['fa3_fp8q_vs_triton_same_q_maxdiff']:.4f})"
         )
-        print(f"{'':28s} FlashInfer FA3, FP8 queries: {fa3}", flush=True)
+        print(
+            f"{'':28s} Triton default with the FP8 score dot: {row['triton_fp8_scores_us']:.1f} us, "
+            f"max |diff| {row['triton_fp8_scores_maxdiff']:.4f} (mean "
+            f"{row['triton_fp8_scores_meandiff']:.5f}); FlashInfer FA3, FP8 queries: {fa3}",
+            flush=True,
+        )
         torch.cuda.empty_cache()
         # after every case: a later case's fault would otherwise lose the earlier ones
         (out / "bench_prefill_attention.json").write_text(

@@ -63,6 +63,11 @@ with compiled_launches(90) as done:
             qd, cd, cd.clone(), ptr, ptr, torch.zeros(T, dtype=i32), torch.zeros(2, 2, dtype=i32),
             0.088, torch.zeros(T, HQ, d, dtype=bf16), softcap, window, 128 if d <= 128 else 64,
             num_splits=splits)
+    # the experimental FP8 score dot (scripts/bench_prefill_attention.py)
+    qd, cd = torch.zeros(T, HQ, D, dtype=bf16), torch.zeros(64, HKV, D, dtype=fp8)
+    triton_prefill_attention.launch_prefill_attention(
+        qd, cd, cd.clone(), ptr, ptr, torch.zeros(T, dtype=i32), torch.zeros(2, 2, dtype=i32),
+        0.088, torch.zeros(T, HQ, D, dtype=bf16), None, None, 128, num_splits=1, fp8_scores=True)
     # the small-row GEMM at a beam step of 4 and of 50 rows (mma and wgmma tiles), with a bias
     for rows in (4, 50):
         a, w = torch.zeros(rows, H, dtype=fp8), torch.zeros(4096, H, dtype=fp8)
@@ -86,6 +91,8 @@ spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done
 assert not spilled, f"default launches spill registers (kernel, registers, bytes): {spilled}"
 for kernel in timed:  # the dots run on Hopper's tensor cores
     assert any("wgmma" in c.ptx for c in done if c.kernel == kernel), kernel
+# the FP8 score dot on e4m3 tensor cores, the keys taken as loaded
+assert any(".f32.e4m3.e4m3" in c.ptx for c in done if c.kernel == "_prefill_attention_kernel")
 # the schedule the pipeliner gave the prefill kernel's default launch: its loops, each chunk's
 # K and V copied asynchronously into shared memory, both dots on the tensor cores
 schedule = loop_schedule(next(c for c in done if c.kernel == "_prefill_attention_kernel").ttgir)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .triton_fp8 import cast_for_store, round_to_bf16
+from .triton_fp8 import cast_for_store, fp8_scale, round_to_bf16, to_fp8
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
@@ -119,15 +119,19 @@ def _prefix_chunk(
     q, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head, kc_stride_s,
     vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-    F16: tl.constexpr,
+    F16: tl.constexpr, FP8_QK: tl.constexpr,
 ):  # fmt: skip
-    """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator)."""
+    """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). FP8_QK:
+    q holds e4m3 codes and the keys enter the score dot as loaded (qk_scale carries each row's
+    scale)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < num_prefix
     offs_d = tl.arange(0, D)
     slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
     k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
-    k = _operand(tl.load(k_ptrs, mask=mask_n[:, None], other=0.0), F16, INTERPRET)  # [BLOCK_N, D]
+    k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+    if not FP8_QK:
+        k = _operand(k, F16, INTERPRET)
     s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
     s = tl.where(mask_n[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -172,7 +176,7 @@ def _beam_cascade_attention_kernel(
     sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, part_stride_split, qk_scale, cap_log2,
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,7 +193,16 @@ def _beam_cascade_attention_kernel(
     offs_d = tl.arange(0, D)
     q_ptrs = q_ptr + rows[:, None] * q_stride_r + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D] bf16
-    q_dot = _query_operand(q, F16, INTERPRET)
+    if FP8_QK:  # each packed row's e4m3 codes; its scale folded into the score scales
+        q_f32 = q.to(tl.float32)
+        row_scale = fp8_scale(tl.max(tl.abs(q_f32), axis=1))
+        q_dot = to_fp8(q_f32, row_scale[:, None])
+        q_f32 = q_dot.to(tl.float32)  # the own slots see the same rounded queries
+        chunk_scale, slot_scale = qk_scale * row_scale[:, None], qk_scale * row_scale
+    else:
+        q_dot = _query_operand(q, F16, INTERPRET)
+        q_f32 = q.to(tl.float32)
+        chunk_scale, slot_scale = qk_scale, qk_scale
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -209,25 +222,24 @@ def _beam_cascade_attention_kernel(
         while n0 < hi:
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
-                SOFTCAP, F16,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
+                INTERPRET, SOFTCAP, F16, FP8_QK,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):  # a for loop, so the compiler pipelines loads
             m_i, l_i, acc = _prefix_chunk(
                 q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, BLOCK_N, INTERPRET,
-                SOFTCAP, F16,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
+                INTERPRET, SOFTCAP, F16, FP8_QK,
             )  # fmt: skip
 
     if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
-        q_f32 = q.to(tl.float32)
         for j in tl.static_range(S):
             slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
             m_i, l_i, acc = _suffix_slot(
                 q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2, D, SOFTCAP,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, slot_scale, cap_log2, D, SOFTCAP,
             )  # fmt: skip
 
     if SPLITS == 1:
@@ -364,6 +376,7 @@ def launch_beam_cascade_attention(
     f16_dots: bool | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
+    fp8_scores: bool = False,
 ) -> None:
     """Launch the (B, Hkv, tiles x splits) grid, and the merge when splits > 1; arguments are
     validated by the public wrapper.
@@ -373,7 +386,14 @@ def launch_beam_cascade_attention(
     launches; unset, block_n and num_stages follow the split count, see the tuning knobs);
     num_splits overrides `auto_num_splits` (a power of two, at most MAX_SPLITS);
     f16_dots the dots' operand type (default: as `use_f16_dots` decides).
+
+    fp8_scores (an experiment, off everywhere but scripts/bench_attention.py): the prompt
+    chunks' score dot on FP8 tensor cores, each packed query row quantized in the kernel to
+    e4m3 with its own scale (amax / 448) and the FP8 keys taken as loaded; the own slots score
+    the same rounded queries. Queries keep 4 significant bits instead of 8. Needs an FP8 cache.
     """
+    if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -401,7 +421,7 @@ def launch_beam_cascade_attention(
         GROUP=group, S=suffix.shape[1], D=head_dim, HQ=num_q_heads,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
-        F16=use_f16_dots(k_cache, f16_dots),
+        F16=use_f16_dots(k_cache, f16_dots), FP8_QK=fp8_scores,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

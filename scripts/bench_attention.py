@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton.testing
@@ -48,11 +49,14 @@ def _step(n: int, prompt: int, requests: int | None = None):
 
 
 # Other launches of the Triton beam kernel timed beside its default: name -> launcher arguments
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "bf16 dots": {"f16_dots": False},  # the operands before session 27
     "n64 s2": {"block_n": 64, "num_stages": 2},  # the unsplit launch before session 28
     "n128 s2": {"block_n": 128, "num_stages": 2},
     "n128 s4": {"block_n": 128, "num_stages": 4},
+    # an experiment: the prompt's score dot on FP8 tensor cores, the queries rounded to e4m3 in
+    # the kernel (FP8 caches only; its max |diff| to the default's output is in the JSON)
+    "fp8 scores": {"fp8_scores": True},
     # the first depth with two shared-memory buffers for K and V (session 35, loop_schedule)
     "n128 s5": {"block_n": 128, "num_stages": 5},
 }
@@ -120,9 +124,11 @@ def _flashinfer(kv_dtype: torch.dtype, cascade: bool) -> FlashInferAttentionBack
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
+    variants = {name: arguments for name, arguments in VARIANTS.items()
+                if kv_dtype == torch.float8_e4m3fn or not arguments.get("fp8_scores")}  # fmt: skip
     results = []
     print(f"{'n':>5} {'prompt':>6} {'flat ms':>8} {'cascade ms':>10} {'triton ms':>9} "
-          + "".join(f"{name:>10}" for name in VARIANTS)
+          + "".join(f"{name:>10}" for name in variants)
           + f" {'flat/cascade':>12} {'cascade/triton':>14}")  # fmt: skip
     for n in (64, 256, 512):
         for prompt in (512, 1024, 2048):
@@ -132,13 +138,20 @@ def main() -> None:
             cascade = _time(cascade_backend, step, pool, q)
             beam = TritonBeamAttention(cascade_backend, DEV, ROWS, slots + 1)
             tri = _time(beam, step, pool, q)
-            others = {}
-            for name, arguments in VARIANTS.items():
+            others, diffs = {}, {}
+            default_out = _forward(beam, step, pool, q)().float()
+            for name, arguments in variants.items():
                 with _launch_with(**arguments):
                     others[name] = _time(beam, step, pool, q)
+                    if arguments.get("fp8_scores"):
+                        got = _forward(beam, step, pool, q)().float()
+                        diffs[f"triton_{name.replace(' ', '_')}_maxdiff"] = float(
+                            (got - default_out).abs().max()
+                        )
             row = {"n": n, "prompt": prompt, "requests": ROWS // n, "kv": str(kv_dtype),
                    "flat_ms": flat, "cascade_ms": cascade, "triton_ms": tri,
-                   **{f"triton_{name.replace(' ', '_')}_ms": ms for name, ms in others.items()}}  # fmt: skip
+                   **{f"triton_{name.replace(' ', '_')}_ms": ms for name, ms in others.items()},
+                   **diffs}  # fmt: skip
             results.append(row)
             print(f"{n:>5} {prompt:>6} {flat:>8.3f} {cascade:>10.3f} {tri:>9.3f} "
                   + "".join(f"{ms:>10.3f}" for ms in others.values())

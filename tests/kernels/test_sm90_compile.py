@@ -55,6 +55,11 @@ with compiled_launches(90) as done:
         q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
         torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
         logit_softcap=50.0)
+    # the experimental FP8 score dot (scripts/bench_attention.py)
+    att.launch_beam_cascade_attention(
+        q, cache, cache.clone(), rows, torch.zeros(8, dtype=i32), rows,
+        torch.zeros(T, 2, dtype=i32), 0.088, 2, torch.zeros(T, HQ, D, dtype=bf16),
+        fp8_scores=True)
     ptr = torch.tensor([0, T], dtype=i32)
     for d, softcap, window, splits in ((D, None, None, 1), (D, 50.0, 64, 1), (256, None, None, 1),
                                        (D, None, None, 4)):
@@ -91,8 +96,9 @@ spilled = [(c.kernel, c.registers, c.spill_bytes) for c in done
 assert not spilled, f"default launches spill registers (kernel, registers, bytes): {spilled}"
 for kernel in timed:  # the dots run on Hopper's tensor cores
     assert any("wgmma" in c.ptx for c in done if c.kernel == kernel), kernel
-# the FP8 score dot on e4m3 tensor cores, the keys taken as loaded
-assert any(".f32.e4m3.e4m3" in c.ptx for c in done if c.kernel == "_prefill_attention_kernel")
+# the FP8 score dots on e4m3 tensor cores, the keys taken as loaded
+for kernel in timed:
+    assert any(".f32.e4m3.e4m3" in c.ptx for c in done if c.kernel == kernel), kernel
 # the schedule the pipeliner gave the prefill kernel's default launch: its loops, each chunk's
 # K and V copied asynchronously into shared memory, both dots on the tensor cores
 schedule = loop_schedule(next(c for c in done if c.kernel == "_prefill_attention_kernel").ttgir)

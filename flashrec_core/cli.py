@@ -141,6 +141,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --engine: chunked prefill (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--fp8-gemm-triton-rows", type=int, default=None, metavar="R",
                      help="with --engine: the Triton small-row GEMM (flashrec generate --help)")  # fmt: skip
+    e2e.add_argument("--fp8-attention-scores", action="store_true", default=None,
+                     help="with --engine: the experimental FP8 score dots (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--host-threads", type=int, default=None, metavar="N",
                      help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
@@ -239,6 +241,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="FP8 projections of at most R rows (small beam steps) through the Triton "
         "small-row GEMM instead of cuBLAS; 0: never (default: as far as the GPU's launch "
         "table measured it faster, cuBLAS without one)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-attention-scores", action="store_true",
+        help="experimental: the Triton attention kernels' score dots on FP8 tensor cores, "
+        "queries rounded to e4m3 per row (an FP8 KV cache only)",
     )  # fmt: skip
     p.add_argument(
         "--host-threads", type=int, default=None, metavar="N",
@@ -359,6 +366,7 @@ _ENGINE_FLAGS = {
     "prefill_tokens_per_step": "prefill_tokens_per_step", "host_threads": "host_threads",
     "fp8_gemm_triton_rows": "fp8_gemm_triton_rows", "merge_beam_steps": "merge_beam_steps",
     "mixed_prefill_steps": "mixed_prefill_steps", "mixed_prefill_tokens": "mixed_prefill_tokens",
+    "fp8_attention_scores": "fp8_attention_scores",
 }  # fmt: skip
 _SEARCH_FLAGS = {
     "catalog": "catalog_path", "sid_normalization": "sid_normalization",
@@ -587,7 +595,7 @@ def _read_messages(path: str) -> list[dict[str, str]]:
 
 _BENCH_ENGINE_FLAGS = (
     "schedule", "prefill_tokens_per_step", "host_threads", "fp8_gemm_triton_rows",
-    "merge_beam_steps", "mixed_prefill_steps", "mixed_prefill_tokens",
+    "merge_beam_steps", "mixed_prefill_steps", "mixed_prefill_tokens", "fp8_attention_scores",
 )  # fmt: skip
 """`bench --engine`'s engine flags that map one to one onto EngineConfig fields."""
 

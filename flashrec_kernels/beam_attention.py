@@ -194,6 +194,7 @@ def beam_cascade_attention(
     out: torch.Tensor | None = None,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
+    fp8_scores: bool = False,
 ) -> torch.Tensor:
     """Triton version of `beam_cascade_attention_ref`; no host syncs, so it captures in a graph.
 
@@ -203,7 +204,9 @@ def beam_cascade_attention(
     contiguous) lets a graph keep its output buffer; otherwise a new one is allocated.
     `num_splits` cuts each prompt into that many ranges run in parallel and merged (split-KV;
     a power of two up to 16); by default it follows from the grid size and the GPU's SMs, so
-    that a step of one or a few requests still fills the GPU.
+    that a step of one or a few requests still fills the GPU. `fp8_scores` (experimental, an
+    FP8 cache only): the prompt's score dot on FP8 operands, each query row rounded to e4m3
+    under its own scale (`launch_beam_cascade_attention`).
     """
     check_beam_attention_args(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, max_rows_per_request
@@ -216,5 +219,6 @@ def beam_cascade_attention(
     launch_beam_cascade_attention(
         q, k_cache, v_cache, prefix_indptr, prefix_indices, row_indptr, suffix, sm_scale,
         max_rows_per_request, out, logit_softcap=logit_softcap, num_splits=num_splits,
+        fp8_scores=fp8_scores,
     )  # fmt: skip
     return out

@@ -177,6 +177,7 @@ def prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
+    fp8_scores: bool = False,
 ) -> torch.Tensor:
     """Triton version of `prefill_attention_ref`; no host syncs, so it captures in a graph.
 
@@ -186,7 +187,9 @@ def prefill_attention(
     buffer. block_m / block_n override the tile shape (tests, benchmarks). `num_splits` cuts
     each tile's keys into that many ranges run in parallel and merged (a power of two up to
     16); by default it follows from the grid and the GPU's SMs, so a prefill of a few tokens
-    over a long cached prompt still fills the GPU."""
+    over a long cached prompt still fills the GPU. `fp8_scores` (experimental, an FP8 cache
+    only): the score dot on FP8 operands, each query row rounded to e4m3 under its own scale
+    (`launch_prefill_attention`)."""
     check_prefill_attention_args(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles)
     _check_softcap(logit_softcap)
     _check_window(window)
@@ -198,6 +201,6 @@ def prefill_attention(
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, tiles, sm_scale, out,
         logit_softcap=logit_softcap, window=window,
         block_m=prefill_block_m(q.shape[2]) if block_m is None else block_m, block_n=block_n,
-        num_splits=num_splits,
+        num_splits=num_splits, fp8_scores=fp8_scores,
     )  # fmt: skip
     return out

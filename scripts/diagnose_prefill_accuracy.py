@@ -5,7 +5,9 @@ For every architecture, the test's tiny checkpoint, prompt and catalogs: the wor
 log-prob - fp32 transformers log-prob| over the returned beams, per n, beam-step attention and
 prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02), and
 after a slash the same bound measured like for like: the CPU torch path scoring exactly the GPU's
-beams (a catalog of those SIDs, searched at width n, returns every one of them).
+beams (a catalog of those SIDs, searched at width n, returns every one of them). Over an FP8
+cache a last row runs both Triton kernels with the experimental FP8 score dots
+(`--fp8-attention-scores`).
 Usage: python scripts/diagnose_prefill_accuracy.py [OUT_DIR] [--quantization fp8|none]
 """
 
@@ -61,22 +63,24 @@ def main() -> None:
         bounds = [2 * _worst(engine("cpu", n), hf, n)[0] + 0.02 for n in WIDTHS]
         lines.append(f"{arch:24s} test bound            " + "  ".join(f"{b:.3f}" for b in bounds))
         print(lines[-1], flush=True)
-        for beam in ("cascade", "triton"):
-            for prefill in ("backend", "triton"):
-                cells = []
-                for n in WIDTHS:
-                    w, errors = _worst(
-                        engine("cuda", n, beam_attention=beam, prefill_attention=prefill), hf, n
-                    )
-                    torch.cuda.empty_cache()
-                    same = write_catalog(path / f"same{n}.json", sorted(errors))
-                    alike = 2 * _worst(engine("cpu", n, catalogs={n: same}), hf, n)[0] + 0.02
-                    flag = ("!" if w >= bounds[WIDTHS.index(n)] else " ") + (
-                        "!" if w >= alike else " "
-                    )
-                    cells.append(f"{w:.3f}{flag}/{alike:.3f}")
-                lines.append(f"{arch:24s} beam {beam:7s} prefill {prefill:7s} " + "  ".join(cells))
-                print(lines[-1], flush=True)
+        paths = [(b, p, False) for b in ("cascade", "triton") for p in ("backend", "triton")]
+        if kv == "fp8_e4m3":
+            paths.append(("triton", "triton", True))
+        for beam, prefill, fp8_scores in paths:
+            cells = []
+            for n in WIDTHS:
+                w, errors = _worst(
+                    engine("cuda", n, beam_attention=beam, prefill_attention=prefill,
+                           fp8_attention_scores=fp8_scores), hf, n,
+                )  # fmt: skip
+                torch.cuda.empty_cache()
+                same = write_catalog(path / f"same{n}.json", sorted(errors))
+                alike = 2 * _worst(engine("cpu", n, catalogs={n: same}), hf, n)[0] + 0.02
+                flag = ("!" if w >= bounds[WIDTHS.index(n)] else " ") + ("!" if w >= alike else " ")
+                cells.append(f"{w:.3f}{flag}/{alike:.3f}")
+            label = f"beam {beam:7s} prefill {prefill:7s}" + (" fp8 scores" if fp8_scores else "")
+            lines.append(f"{arch:24s} {label} " + "  ".join(cells))
+            print(lines[-1], flush=True)
     (out / f"diagnose_prefill_accuracy_{quant}.txt").write_text("\n".join(lines) + "\n")
 
 

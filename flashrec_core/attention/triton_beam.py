@@ -69,8 +69,12 @@ class TritonBeamAttention:
 
     def __init__(self, inner: AttentionBackend, device: torch.device, max_rows: int,
                  max_prompt_slots: int, max_suffix: int = 8,
-                 layers: Sequence[AttentionSpec] = (), head_dim: int = 128) -> None:  # fmt: skip
+                 layers: Sequence[AttentionSpec] = (), head_dim: int = 128,
+                 fp8_scores: bool = False) -> None:  # fmt: skip
+        """fp8_scores: `EngineConfig.fp8_attention_scores` (the kernel's experimental FP8
+        score dot)."""
         self.inner = inner
+        self.fp8_scores = fp8_scores
         self.name = f"{inner.name}+triton-beam"
         self.device = device
         self.supports_graphs = device.type == "cuda"
@@ -168,5 +172,6 @@ class TritonBeamAttention:
             q.to(torch.bfloat16), pool.k_cache[layer_id], pool.v_cache[layer_id],
             meta.prefix_indptr, meta.prefix_indices, meta.row_indptr, meta.suffix, scale,
             meta.max_rows_per_request, logit_softcap=self.groups.spec(layer_id).logit_softcap,
+            fp8_scores=self.fp8_scores,
         )  # fmt: skip
         return out.to(q.dtype)

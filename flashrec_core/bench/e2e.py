@@ -170,6 +170,7 @@ def bench_engine(
         "prefill_tokens_per_step": ecfg.prefill_tokens_per_step,
         "host_threads": engine.loop.intra_op_threads,
         "fp8_gemm_triton_rows": ecfg.fp8_gemm_triton_rows,
+        "fp8_attention_scores": ecfg.fp8_attention_scores,
         "merge_beam_steps": engine.wave.merge_steps,
         "beam_steps": engine.loop.stats().beam_steps,  # warm-up included, as kv_slots_peak_used
         "beam_forwards": engine.loop.stats().beam_forwards,

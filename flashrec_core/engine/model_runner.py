@@ -167,7 +167,7 @@ def _with_triton_beam_steps(
     return TritonBeamAttention(
         backend, device, max_rows=ecfg.max_wave_rows,
         max_prompt_slots=ecfg.max_requests * max_context, layers=config.layer_attention(),
-        head_dim=config.head_dim,
+        head_dim=config.head_dim, fp8_scores=ecfg.fp8_attention_scores,
     )  # fmt: skip
 
 
@@ -181,7 +181,7 @@ def _with_triton_prefills(
         backend, torch.device(ecfg.device), num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_context=max_context,
         max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
-        layers=config.layer_attention(),
+        layers=config.layer_attention(), fp8_scores=ecfg.fp8_attention_scores,
     )  # fmt: skip
 
 

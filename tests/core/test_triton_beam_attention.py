@@ -103,6 +103,23 @@ def test_beam_step_matches_the_torch_backend(kv_dtype: torch.dtype) -> None:
     assert (got - ref).abs().max().item() < ATOL
 
 
+def test_fp8_scores_reach_the_kernel() -> None:
+    """`fp8_scores` (EngineConfig.fp8_attention_scores) reaches the kernel: a beam step equals
+    the torch backend's given the queries rounded as the kernel rounds them (each (row, q head)
+    row to e4m3 under amax / 448; prompt and own slots alike), and differs from the wrapper's
+    without it."""
+    pool, step, q = _beam_step(torch.float8_e4m3fn)
+    torch_backend = TorchAttentionBackend(CPU)
+    fp8 = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256,
+                              fp8_scores=True)  # fmt: skip
+    scale = q.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    rounded = (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
+    got = _attend(fp8, step, pool, q)
+    assert (got - _attend(torch_backend, step, pool, rounded)).abs().max().item() < ATOL
+    plain = TritonBeamAttention(torch_backend, CPU, max_rows=64, max_prompt_slots=256)
+    assert not torch.equal(got, _attend(plain, step, pool, q))
+
+
 def test_graph_buffers_give_the_eager_result() -> None:
     """The CUDA-graph path plans into fixed buffers (views reused across replays); run on CPU
     without capture, it must compute exactly what the eager plan computes."""

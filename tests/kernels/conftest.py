@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,3 +18,19 @@ def device() -> torch.device:
     """Where kernel tests put their tensors: CUDA if present, else CPU for the interpreter."""
     pytest.importorskip("triton")
     return torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture
+def fp8_exact_queries() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """For the attention kernels' FP8 score dots (`fp8_scores`): q -> (q', rounded), q' being
+    q with every (row, q head) row's largest element set to 7, so its scale (amax / 448) is
+    2^-6, and rounded q' as the kernel rounds it (e4m3 codes times 2^-6): exact in bf16, the
+    references' query type."""
+
+    def make(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = q.float().clamp(-6.9, 6.9)
+        q[..., 0] = 7.0
+        q = q.bfloat16()
+        return q, ((q.float() * 64.0).to(torch.float8_e4m3fn).float() / 64.0).bfloat16()
+
+    return make

@@ -11,6 +11,7 @@ tie-near value by one bf16 ulp (<= 2^-7 relative). Hence kernel vs ref: rtol 2^-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -165,19 +166,18 @@ def test_duplicated_slots_count_once_per_occurrence(device: torch.device) -> Non
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_fp8_scores_match_the_ref_on_fp8_rounded_queries(splits: int, device: torch.device) -> None:
+def test_fp8_scores_match_the_ref_on_fp8_rounded_queries(
+    splits: int, device: torch.device, fp8_exact_queries: Callable
+) -> None:
     """The experimental launch with the prompt's score dot on FP8 operands equals the reference
     given the queries it rounds, the own slots included (the dot of e4m3 codes is exact in
-    fp32, the row scale applied after: the bf16-query kernel's tolerance). Every (row, q head)
-    row's largest element is 7, so its scale (amax / 448) is 2^-6 and the rounded queries are
-    exact in bf16, the reference's query type."""
+    fp32, the row scale applied after: the bf16-query kernel's tolerance; the queries from
+    `fp8_exact_queries`)."""
     from flashrec_kernels.triton_beam_attention import launch_beam_cascade_attention
 
     step = _make_step([3, 1, 5], [70, 1, 37], 4, 2, 64, 2, FP8_DTYPE, device, seed=5)
-    q = step.q.float().clamp(-6.9, 6.9)
-    q[..., 0] = 7.0
-    step = step._replace(q=q.bfloat16())
-    rounded = ((step.q.float() * 64.0).to(FP8_DTYPE).float() / 64.0).bfloat16()  # scale 2^-6
+    q, rounded = fp8_exact_queries(step.q)
+    step = step._replace(q=q)
     out = torch.empty_like(step.q)
     launch_beam_cascade_attention(
         *step.args(), out, block_m=4, block_n=16, num_splits=splits, fp8_scores=True

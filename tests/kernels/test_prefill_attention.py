@@ -11,6 +11,7 @@ sides round to bf16 separately (one bf16 ulp, 2^-7 relative). Kernel vs ref: rto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -140,20 +141,16 @@ def test_kernel_matches_ref(case: tuple, cache_dtype: torch.dtype, device: torch
 
 @pytest.mark.parametrize("cap", [None, SOFTCAP], ids=["plain", "softcap"])
 def test_fp8_scores_match_the_ref_on_fp8_rounded_queries(
-    cap: float | None, device: torch.device
+    cap: float | None, device: torch.device, fp8_exact_queries: Callable
 ) -> None:
     """The experimental launch with the score dot on FP8 operands equals the reference given
     the queries it rounds (the dot of e4m3 codes is exact in fp32, the row scale applied after:
-    the same tolerance as the bf16-query kernel). Every (token, q head) row's largest element
-    is 7, so its scale (amax / 448) is 2^-6 and the rounded queries are exact in bf16, the
-    reference's query type. Against the bf16 queries themselves the launch is further off."""
+    the same tolerance as the bf16-query kernel; the queries from `fp8_exact_queries`)."""
     from flashrec_kernels.triton_prefill_attention import launch_prefill_attention
 
     p = _make_prefill([3, 30, 1, 8], [17, 0, 50, 16], 8, 2, 32, FP8_DTYPE, device, seed=4)
-    q = p.q.float().clamp(-6.9, 6.9)
-    q[..., 0] = 7.0
-    p = p._replace(q=q.bfloat16())
-    rounded = ((p.q.float() * 64.0).to(FP8_DTYPE).float() / 64.0).bfloat16()  # scale 2^-6
+    q, rounded = fp8_exact_queries(p.q)
+    p = p._replace(q=q)
     out = torch.empty_like(p.q)
     launch_prefill_attention(
         *p.kernel_args(p.tiles())[:7], p.sm_scale, out, cap, None, BLOCK_M, BLOCK_N,

@@ -194,14 +194,11 @@ def _beam_cascade_attention_kernel(
     q_ptrs = q_ptr + rows[:, None] * q_stride_r + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D] bf16
     if FP8_QK:  # each packed row's e4m3 codes; its scale folded into the score scales
-        q_f32 = q.to(tl.float32)
-        row_scale = fp8_scale(tl.max(tl.abs(q_f32), axis=1))
-        q_dot = to_fp8(q_f32, row_scale[:, None])
-        q_f32 = q_dot.to(tl.float32)  # the own slots see the same rounded queries
+        row_scale = fp8_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
+        q_dot = to_fp8(q.to(tl.float32), row_scale[:, None])
         chunk_scale, slot_scale = qk_scale * row_scale[:, None], qk_scale * row_scale
     else:
         q_dot = _query_operand(q, F16, INTERPRET)
-        q_f32 = q.to(tl.float32)
         chunk_scale, slot_scale = qk_scale, qk_scale
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
@@ -235,6 +232,10 @@ def _beam_cascade_attention_kernel(
             )  # fmt: skip
 
     if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
+        if FP8_QK:  # the own slots score the rounded queries the prompt's dot saw
+            q_f32 = q_dot.to(tl.float32)
+        else:
+            q_f32 = q.to(tl.float32)
         for j in tl.static_range(S):
             slot_ptrs = suffix_ptr + rows * sfx_stride_r + j * sfx_stride_s
             m_i, l_i, acc = _suffix_slot(
@@ -387,10 +388,11 @@ def launch_beam_cascade_attention(
     num_splits overrides `auto_num_splits` (a power of two, at most MAX_SPLITS);
     f16_dots the dots' operand type (default: as `use_f16_dots` decides).
 
-    fp8_scores (an experiment, off everywhere but scripts/bench_attention.py): the prompt
-    chunks' score dot on FP8 tensor cores, each packed query row quantized in the kernel to
-    e4m3 with its own scale (amax / 448) and the FP8 keys taken as loaded; the own slots score
-    the same rounded queries. Queries keep 4 significant bits instead of 8. Needs an FP8 cache.
+    fp8_scores (an experiment, off by default; `EngineConfig.fp8_attention_scores` and
+    scripts/bench_attention.py turn it on): the prompt chunks' score dot on FP8 tensor cores,
+    each packed query row quantized in the kernel to e4m3 with its own scale (amax / 448) and
+    the FP8 keys taken as loaded; the own slots score the same rounded queries. Queries keep 4
+    significant bits instead of 8. Needs an FP8 cache.
     """
     if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")

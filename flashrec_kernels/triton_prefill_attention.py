@@ -230,11 +230,12 @@ def launch_prefill_attention(
     num_splits to `auto_num_splits` of the grid (the beam kernel's rule), f16_dots as
     `use_f16_dots` decides.
 
-    fp8_scores (an experiment, off everywhere but scripts/bench_prefill_attention.py): the
-    score dot on FP8 tensor cores, each packed query row quantized in the kernel to e4m3 with
-    its own scale (amax / 448) and the FP8 keys taken as loaded, with no conversion; values and
-    P stay as `f16_dots` has them. Twice the dot rate and half the conversions, for queries
-    rounded to 4 significant bits instead of 8. Needs an FP8 cache."""
+    fp8_scores (an experiment, off by default; `EngineConfig.fp8_attention_scores` and
+    scripts/bench_prefill_attention.py turn it on): the score dot on FP8 tensor cores, each
+    packed query row quantized in the kernel to e4m3 with its own scale (amax / 448) and the
+    FP8 keys taken as loaded, with no conversion; values and P stay as `f16_dots` has them.
+    Twice the dot rate and half the conversions, for queries rounded to 4 significant bits
+    instead of 8. Needs an FP8 cache."""
     if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
     num_tiles, num_tokens = tiles.shape[0], q.shape[0]

@@ -63,10 +63,10 @@ class TritonPrefillAttention:
         """max_graph: (tokens, sequences) of the largest prefill graph the engine captures;
         fp8_scores: `EngineConfig.fp8_attention_scores` (the kernel's experimental FP8 score
         dot)."""
-        self.fp8_scores = fp8_scores
         from flashrec_kernels.prefill_attention import prefill_block_m
 
         self.inner = inner
+        self.fp8_scores = fp8_scores
         self.name = f"{inner.name}+triton-prefill"
         self.device = device
         inner_dims: tuple[int, ...] | None = getattr(inner, "head_dims", None)

@@ -36,8 +36,8 @@ from .triton_fp8 import cast_for_store, fp8_scale, round_to_bf16, to_fp8
 
 __all__ = [
     "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
-    "UNSPLIT_LAUNCH", "auto_num_splits", "launch_beam_cascade_attention", "merge_splits", "score_scales",
-    "split_partials",
+    "UNSPLIT_LAUNCH", "auto_num_splits", "check_fp8_scores", "launch_beam_cascade_attention",
+    "merge_splits", "score_scales", "split_partials",
 ]  # fmt: skip
 
 # Tuning knobs. BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
@@ -100,6 +100,21 @@ def _query_operand(q, F16: tl.constexpr, INTERPRET: tl.constexpr):
     if F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
     return _operand(q, F16, INTERPRET)
+
+
+@triton.jit
+def _fp8_query_rows(q):
+    """(e4m3 codes, [BLOCK_M] scales) of a bf16 query tile, each row under its own scale
+    (amax / 448): the FP8 score dot's operand (`fp8_scores`), the scale applied to the scores."""
+    q = q.to(tl.float32)
+    row_scale = fp8_scale(tl.max(tl.abs(q), axis=1))
+    return to_fp8(q, row_scale[:, None]), row_scale
+
+
+def check_fp8_scores(k_cache: torch.Tensor, fp8_scores: bool) -> None:
+    """The FP8 score dot takes the keys as loaded: an FP8 cache only."""
+    if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
 
 
 @triton.jit
@@ -194,8 +209,7 @@ def _beam_cascade_attention_kernel(
     q_ptrs = q_ptr + rows[:, None] * q_stride_r + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D] bf16
     if FP8_QK:  # each packed row's e4m3 codes; its scale folded into the score scales
-        row_scale = fp8_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
-        q_dot = to_fp8(q.to(tl.float32), row_scale[:, None])
+        q_dot, row_scale = _fp8_query_rows(q)
         chunk_scale, slot_scale = qk_scale * row_scale[:, None], qk_scale * row_scale
     else:
         q_dot = _query_operand(q, F16, INTERPRET)
@@ -394,8 +408,7 @@ def launch_beam_cascade_attention(
     the FP8 keys taken as loaded; the own slots score the same rounded queries. Queries keep 4
     significant bits instead of 8. Needs an FP8 cache.
     """
-    if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
+    check_fp8_scores(k_cache, fp8_scores)
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads

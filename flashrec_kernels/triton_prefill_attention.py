@@ -29,16 +29,18 @@ import triton.language as tl
 
 from .device import triton_interpreting
 from .triton_beam_attention import (
+    _fp8_query_rows,
     _operand,
     _query_operand,
     _scores,
     auto_num_splits,
+    check_fp8_scores,
     merge_splits,
     score_scales,
     split_partials,
     use_f16_dots,
 )
-from .triton_fp8 import cast_for_store, fp8_scale, to_fp8
+from .triton_fp8 import cast_for_store
 
 __all__ = ["NUM_STAGES", "NUM_WARPS", "default_block_n", "launch_prefill_attention"]
 
@@ -132,10 +134,8 @@ def _prefill_attention_kernel(
         mask=mask_m[:, None], other=0.0,
     )  # fmt: skip
     if FP8_QK:  # each packed row's e4m3 codes, its scale folded into the score scale
-        q = q.to(tl.float32)
-        q_scale = fp8_scale(tl.max(tl.abs(q), axis=1))[:, None]
-        q = to_fp8(q, q_scale)
-        qk_scale = qk_scale * q_scale
+        q, q_scale = _fp8_query_rows(q)
+        qk_scale = qk_scale * q_scale[:, None]
     else:
         q = _query_operand(q, F16, INTERPRET)
 
@@ -236,8 +236,7 @@ def launch_prefill_attention(
     FP8 keys taken as loaded, with no conversion; values and P stay as `f16_dots` has them.
     Twice the dot rate and half the conversions, for queries rounded to 4 significant bits
     instead of 8. Needs an FP8 cache."""
-    if fp8_scores and k_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_scores needs an FP8 key cache, got {k_cache.dtype}")
+    check_fp8_scores(k_cache, fp8_scores)
     num_tiles, num_tokens = tiles.shape[0], q.shape[0]
     if num_tiles == 0 or num_tokens == 0:
         return

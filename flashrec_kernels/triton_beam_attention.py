@@ -35,17 +35,18 @@ from .device import triton_interpreting
 from .triton_fp8 import cast_for_store, fp8_scale, round_to_bf16, to_fp8
 
 __all__ = [
-    "BLOCK_M", "BLOCK_N", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES", "NUM_WARPS",
-    "UNSPLIT_LAUNCH", "auto_num_splits", "check_fp8_scores", "launch_beam_cascade_attention",
-    "merge_splits", "score_scales", "split_partials",
+    "BLOCK_M", "BLOCK_N", "FIVE_STAGE_SHARED_BYTES", "MAX_SPLITS", "MERGE_BLOCK_M", "NUM_STAGES",
+    "NUM_WARPS", "UNSPLIT_LAUNCH", "auto_num_splits", "check_fp8_scores",
+    "launch_beam_cascade_attention", "merge_splits", "score_scales", "split_partials",
+    "unsplit_stages",
 ]  # fmt: skip
 
 # Tuning knobs. BLOCK_M packed (row, q head) pairs per program: 128 for head_dim
 # <= 128 (a [128, D] fp32 accumulator fits 8 warps' registers), 64 above. A 50-beam request with
 # GQA group 2 (100 packed rows) fills one tile. BLOCK_N prompt slots per K/V chunk, NUM_STAGES
 # software-pipeline depth: an unsplit launch at head_dim <= 128 takes the prefill kernel's
-# 128-slot chunks with 3 stages (`UNSPLIT_LAUNCH`), 7-17% faster than 64-slot chunks with 2 at
-# every shape of scripts/bench_attention.py on an H200 (docs/benchmarks.md, session 28); a split
+# 128-slot chunks (`UNSPLIT_LAUNCH`, 7-17% faster than 64-slot chunks at every shape of
+# scripts/bench_attention.py, docs/benchmarks.md session 28) with `unsplit_stages`; a split
 # launch keeps 64 slots and 2 stages: its programs walk a short range (a 1,024-token prompt in 16
 # splits is one 64-slot chunk each), and head_dim 256 keeps them too (unmeasured).
 BLOCK_M = {64: 128, 128: 128, 256: 64}
@@ -53,6 +54,10 @@ BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
 UNSPLIT_LAUNCH = {"block_n": 128, "num_stages": 3}
+"""The unsplit launch where `unsplit_stages` finds no room for more stages."""
+FIVE_STAGE_SHARED_BYTES = 132_096
+"""Shared memory of the unsplit launch over an FP8 cache at 5 stages on sm_90 (Triton 3.6; 98,816
+at 3), checked by tests/kernels/test_sm90_compile.py. Over a bf16 cache 5 stages take 230,400."""
 _LOG2E = math.log2(math.e)
 MAX_SPLITS = 16
 """Most prompt ranges per (request, kv head, tile): 16 x 64-slot chunks cover a 1,024-token
@@ -313,6 +318,25 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _shared_memory_per_block(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def unsplit_stages(k_cache: torch.Tensor) -> int:
+    """Pipeline depth of an unsplit launch: 5 over an FP8 cache on a GPU with the shared memory
+    for it, else `UNSPLIT_LAUNCH`'s 3. From 5 stages Triton 3.6 gives K and V two shared-memory
+    buffers each, so a chunk's copies overlap the previous chunk's dots (at 3-4, one each:
+    `flashrec_kernels.gpu_compile.loop_schedule`); on an H100 that took 2-7% off every shape
+    of scripts/bench_attention.py (docs/benchmarks.md, session 36). A bf16 cache keeps 3: 5
+    would take 230 KB, unmeasured, and more than an A100 has."""
+    if k_cache.device.type != "cuda" or k_cache.element_size() != 1:
+        return UNSPLIT_LAUNCH["num_stages"]
+    index = k_cache.device.index if k_cache.device.index is not None else 0
+    fits = _shared_memory_per_block(index) >= FIVE_STAGE_SHARED_BYTES
+    return 5 if fits else UNSPLIT_LAUNCH["num_stages"]
+
+
 def auto_num_splits(programs: int, device: torch.device) -> int:
     """Prompt splits for a launch of `programs` (request, kv head, tile) programs: the largest
     power of two up to MAX_SPLITS that keeps the grid within the GPU's SMs, 1 once the grid
@@ -423,7 +447,7 @@ def launch_beam_cascade_attention(
     if block_n is None:
         block_n = UNSPLIT_LAUNCH["block_n"] if wide else BLOCK_N
     if num_stages is None:
-        num_stages = UNSPLIT_LAUNCH["num_stages"] if wide else NUM_STAGES
+        num_stages = unsplit_stages(k_cache) if wide else NUM_STAGES
     part_acc, part_m, part_l = split_partials(num_splits, q, out)
     qk_scale, cap_log2 = score_scales(sm_scale, logit_softcap)
     grid = (num_requests, num_kv_heads, num_tiles * num_splits)

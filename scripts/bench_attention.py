@@ -53,12 +53,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16 dots": {"f16_dots": False},  # the operands before session 27
     "n64 s2": {"block_n": 64, "num_stages": 2},  # the unsplit launch before session 28
     "n128 s2": {"block_n": 128, "num_stages": 2},
+    "n128 s3": {"block_n": 128, "num_stages": 3},  # the unsplit launch before session 36
     "n128 s4": {"block_n": 128, "num_stages": 4},
     # an experiment: the prompt's score dot on FP8 tensor cores, the queries rounded to e4m3 in
     # the kernel (FP8 caches only; its max |diff| to the default's output is in the JSON)
     "fp8 scores": {"fp8_scores": True},
-    # the first depth with two shared-memory buffers for K and V (session 35, loop_schedule)
-    "n128 s5": {"block_n": 128, "num_stages": 5},
 }
 
 

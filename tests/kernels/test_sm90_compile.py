@@ -104,7 +104,20 @@ for kernel in timed:
 schedule = loop_schedule(next(c for c in done if c.kernel == "_prefill_attention_kernel").ttgir)
 for op in ("scf.for", "ttg.async_copy_global_to_local", "ttg.async_wait", "ttng.warp_group_dot "):
     assert any(line.startswith(op) for line in schedule), (op, schedule)
-print("compiled", len(done), names)
+# the beam kernel's unsplit launch over an FP8 cache as `unsplit_stages` gives it on an H100
+# or H200: 5 stages, so that K and V get two shared-memory buffers each (one at 3-4), within
+# the shared memory the stage choice checks the GPU for
+with compiled_launches(90) as five:
+    att.launch_beam_cascade_attention(
+        q, cache, cache.clone(), ptr, torch.zeros(8, dtype=i32), ptr,
+        torch.zeros(T, 2, dtype=i32), 0.088, T, torch.zeros(T, HQ, D, dtype=bf16),
+        num_splits=1, num_stages=5)
+(beam5,) = five
+assert 0 < beam5.shared_bytes <= att.FIVE_STAGE_SHARED_BYTES, beam5.shared_bytes
+buffers = [line for line in loop_schedule(beam5.ttgir)
+           if line.startswith("ttg.local_alloc : () -> !ttg.memdesc<2x128x128xf8E4M3FN")]
+assert len(buffers) == 2, loop_schedule(beam5.ttgir)
+print("compiled", len(done) + 1, names)
 """
 
 

@@ -11,7 +11,9 @@ consecutive slots, and bf16 (the FP8 values, exactly) in consecutive and scatter
 the gather of scattered slots and the FP8 -> fp16 conversion of every key cost. Two experiments
 with FP8 queries: the default launch with its score dot on FP8 operands (`fp8_scores`), and
 FlashInfer's FA3 (sm90) paged prefill (`_fa3_fp8_rows`; 0.6.13 runs an FP8 cache on sm90 only
-with FP8 queries), each with its error against FlashInfer's bf16-query output. Usage (on the GPU):
+with FP8 queries), each with its error against FlashInfer's bf16-query output. And FA3's ragged
+prefill over bf16 keys in consecutive rows (`_fa3_ragged_rows`): what attending over a prefill's
+own fresh bf16 keys, rather than the FP8 cache, would cost. Usage (on the GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
@@ -149,7 +151,46 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
         row.update(_fa3_fp8_rows(step, pool, q, ref))
     except Exception as exc:  # a JIT or plan failure is a finding, not the end of the run
         row["fa3_fp8q_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    _label(name, "FlashInfer FA3, bf16 ragged keys")
+    try:
+        row.update(_fa3_ragged_rows(step, pool, q, ref, new))
+    except Exception as exc:
+        row["fa3_ragged_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return row
+
+
+def _fa3_ragged_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor, new: int) -> dict:
+    """FlashInfer's FA3 (sm90) ragged prefill on bf16 queries, keys and values in consecutive
+    rows (the FP8 pool's values, exactly): what a prefill would cost that attends over its own
+    fresh bf16 keys rather than the FP8 cache. Timed over every key of each prompt (the same work
+    as the kernels above; its output checked against FlashInfer's) and over the new tokens'
+    keys alone (what such a prefill's own part would be; a cached prefix would add a short
+    pass over the cache and a merge of the two)."""
+    import flashinfer
+
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    keys = pool.k_cache[0][step.kv_indices.to(DEV).long()].to(torch.bfloat16)
+    values = pool.v_cache[0][step.kv_indices.to(DEV).long()].to(torch.bfloat16)
+    qo_indptr = step.qo_indptr.to(DEV, torch.int32)
+    kv_indptr = step.kv_indptr.to(DEV, torch.int32)
+    # the last `new` keys of each prompt: its own tokens
+    own = torch.cat([torch.arange(int(end) - new, int(end)) for end in step.kv_indptr[1:]]).to(DEV)
+    rows = {}
+    for label, k, v, indptr in (
+        ("all", keys, values, kv_indptr),
+        ("own", keys[own], values[own], qo_indptr),
+    ):
+        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
+        wrapper.plan(
+            qo_indptr, indptr, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16,
+        )  # fmt: skip
+        attend = functools.partial(wrapper.run, q, k.contiguous(), v.contiguous())
+        got = attend().float()
+        rows[f"fa3_ragged_{label}_us"] = triton.testing.do_bench(attend, rep=100) * 1e3
+        if label == "all":
+            rows["fa3_ragged_all_maxdiff"] = float((got - ref).abs().max())
+    return rows
 
 
 def _fa3_fp8_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -260,6 +301,12 @@ def main() -> None:
             f"{row['triton_fp8_scores_meandiff']:.5f}); FlashInfer FA3, FP8 queries: {fa3}",
             flush=True,
         )
+        ragged = row.get("fa3_ragged_error") or (
+            f"{row['fa3_ragged_all_us']:.1f} us over every key (max |diff| "
+            f"{row['fa3_ragged_all_maxdiff']:.4f}), {row['fa3_ragged_own_us']:.1f} us over the "
+            "new tokens' own keys"
+        )
+        print(f"{'':28s} FlashInfer FA3 ragged, bf16 keys: {ragged}", flush=True)
         torch.cuda.empty_cache()
         # after every case: a later case's fault would otherwise lose the earlier ones
         (out / "bench_prefill_attention.json").write_text(

@@ -185,9 +185,10 @@ def add_beam_attention_args(p: argparse.ArgumentParser) -> None:
         "(auto: Triton where it applies)",
     )  # fmt: skip
     p.add_argument(
-        "--prefill-attention", choices=["auto", "backend", "triton"], default="auto",
+        "--prefill-attention", choices=["auto", "backend", "triton", "fresh"], default="auto",
         help="prompt prefills' attention: the Triton prefill kernel or the attention backend's "
-        "(auto: Triton where it applies)",
+        "over the cache, or 'fresh' (experimental): over the prompt's own new K/V in the model's "
+        "dtype through FlashInfer's ragged prefill (auto: Triton where it applies)",
     )  # fmt: skip
 
 

@@ -48,12 +48,15 @@ class EngineConfig(BaseModel):
     two levels (FlashInfer prefix prefill + per-beam decode + merge, or the torch reference; flat
     per-beam decode with cascade_attention=False). "auto" picks "triton" on CUDA with
     cascade_attention, a bf16 model, a bf16/FP8 KV cache and a power-of-two head_dim <= 256."""
-    prefill_attention: Literal["auto", "backend", "triton"] = "auto"
+    prefill_attention: Literal["auto", "backend", "triton", "fresh"] = "auto"
     """Prompt prefills' attention: "triton" = `flashrec_kernels.prefill_attention` (causal, over
     the paged pool, GQA packed into its query tiles); "backend" = the attention backend's own
     prefill (FlashInfer's, or the torch reference). "auto" picks "triton" where the beam kernel
     applies (the same conditions: CUDA, a bf16 model, a bf16/FP8 KV cache, a power-of-two
-    head_dim <= 256)."""
+    head_dim <= 256). "fresh" (experimental): over the prompt's own new keys and values in the
+    model's dtype, and its cached context copied from the pool, through FlashInfer's ragged
+    prefill (FA3 on sm90; the torch reference off CUDA); prefills with more context than new
+    tokens take "auto"'s path (attention/fresh_prefill.py)."""
     cuda_graphs: bool = True
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and a beam-step attention path that captures (FlashInfer, or the Triton
@@ -224,10 +227,21 @@ def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, s
         raise ValueError(
             f"--prefill-attention triton needs Triton kernels here: {cfg.triton_reason}"
         )
+    if cfg.prefill_attention == "fresh" and cfg.device == "cuda" and not flashinfer_available():
+        raise ValueError(
+            "--prefill-attention fresh runs FlashInfer's ragged prefill on CUDA, and flashinfer "
+            "is not installed: pip install 'flashrec-core[gpu]', or use --prefill-attention auto"
+        )
     if cfg.prefill_attention != "auto":
         return cfg.prefill_attention, "asked for"
     why_not = _attention_kernel_unfit(cfg, head_dim)
     return ("backend", f"auto: {why_not}") if why_not else ("triton", "auto")
+
+
+def fresh_prefill_fallback(cfg: EngineConfig, head_dim: int) -> str:
+    """Where "fresh" prefills send the steps it leaves (long context, one query per sequence):
+    "triton" where "auto" would take the Triton prefill kernel, else "backend"."""
+    return "backend" if _attention_kernel_unfit(cfg, head_dim) else "triton"
 
 
 def _resolve_beam_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:

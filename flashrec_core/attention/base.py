@@ -51,9 +51,13 @@ class AttentionBackend(Protocol):
     # prefill of that many sequences, planned through `plan(step, graph=...)`.
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """q [T, Hq, D] -> out [T, Hq, D] in q's dtype."""
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """q [T, Hq, D] -> out [T, Hq, D] in q's dtype. `new_kv`: the step's own keys and
+        values [T, Hkv, D] as the layer computed them (rotated, in the model's dtype, stored in
+        the pool already); a backend that attends over them rather than reading them back from
+        the pool takes them (`FreshPrefillAttention`), the others ignore them."""
         ...
 
 

@@ -95,6 +95,30 @@ class PrefillGraphAttention:
     per_group: tuple[Any, ...]
 
 
+class PlanGuard:
+    """`plan(wrapper, ...)`: wrapper.plan, safe to call again before the GPU reached the last
+    plan's copy.
+
+    A plan writes its schedule into a pinned host buffer and enqueues an async copy to the
+    device. Steps plan without a host sync in between, so before re-planning a wrapper the host
+    waits for its previous copy (an event right after it), not for the whole step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._planned: dict[int, torch.cuda.Event] = {}
+
+    def plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._planned[id(wrapper)] = event
+
+
 @dataclass
 class _Wrappers:
     """One layer group's eager wrappers (prefill, flat decode, cascade prefix and suffix)."""
@@ -148,7 +172,7 @@ class FlashInferAttentionBackend:
         self.wrappers = [self._eager_wrappers() for _ in self.groups.specs]
         self.limits = (max_rows, max_requests, max_context, max_suffix)
         self._graph_buffers: list[dict[str, torch.Tensor]] | None = None
-        self._planned: dict[int, torch.cuda.Event] = {}
+        self._guard = PlanGuard(device)
 
     def _eager_wrappers(self) -> _Wrappers:
         prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper
@@ -163,20 +187,7 @@ class FlashInferAttentionBackend:
         )
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
-        """wrapper.plan, safe to call again before the GPU reached the last plan's copy.
-
-        A plan writes its schedule into a pinned host buffer and enqueues an async copy to the
-        device. Beam steps plan without a host sync in between, so before re-planning a wrapper
-        the host waits for its previous copy (an event right after it), not for the whole step.
-        """
-        done = self._planned.get(id(wrapper))
-        if done is not None:
-            done.synchronize()
-        wrapper.plan(*args, **kwargs)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._planned[id(wrapper)] = event
+        self._guard.plan(wrapper, *args, **kwargs)
 
     def _common(self, spec: AttentionSpec, windowed: bool = True) -> dict[str, Any]:
         window = spec.sliding_window if windowed else None
@@ -340,8 +351,9 @@ class FlashInferAttentionBackend:
         return buffers
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         spec = self.groups.spec(layer_id)
         assert abs(scale - spec.scale) <= 1e-6 * spec.scale, (
             f"layer {layer_id} attends with scale {scale}, its plan with {spec.scale}: the "

@@ -52,8 +52,9 @@ class SegmentedAttention:
         return SegmentPlans(bounds, tuple(self.inner.plan(s, g) for s, g in zip(steps, graphs)))
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Each segment's queries through the wrapped backend, with that segment's tokens,
         positions and slots (a backend may read them), into one output in row order."""
         from flashrec_core.layers.batch import ForwardBatch
@@ -65,5 +66,6 @@ class SegmentedAttention:
                 batch.input_ids[lo:hi], batch.positions[lo:hi], batch.out_cache_loc[lo:hi],
                 batch.kv_pool, self.inner, segment_plan,
             )  # fmt: skip
-            outs.append(self.inner.forward(q[lo:hi], layer_id, scale, part))
+            part_kv = None if new_kv is None else (new_kv[0][lo:hi], new_kv[1][lo:hi])
+            outs.append(self.inner.forward(q[lo:hi], layer_id, scale, part, part_kv))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -87,6 +87,10 @@ class StepInput:
     kv_indices: torch.Tensor | None  # [sum kv]; None when only shared_prefix is given
     shared_prefix: SharedPrefix | None = None
 
+    def is_prompt_prefill(self) -> bool:
+        """Several queries per sequence and no beam-step prefix: a prompt (or a chunk of one)."""
+        return self.shared_prefix is None and self.input_ids.numel() > self.qo_indptr.numel() - 1
+
     def flat_kv_indices(self) -> torch.Tensor:
         """Per-row slot lists, derived from the two-level view when only that was built."""
         if self.kv_indices is not None:

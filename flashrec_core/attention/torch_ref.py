@@ -74,13 +74,24 @@ class TorchAttentionBackend:
         )  # fmt: skip
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
-        meta: TorchAttentionMetadata = batch.attn_metadata
-        spec = self.layers[layer_id] if self.layers else None
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attends over the pool (the step's `new_kv` were stored there already)."""
         pool = batch.kv_pool
-        k = pool.k_cache[layer_id][meta.kv_slots].float()  # [B, K, Hkv, D]
-        v = pool.v_cache[layer_id][meta.kv_slots].float()
+        return self.attend(
+            q, pool.k_cache[layer_id], pool.v_cache[layer_id], layer_id, scale, batch.attn_metadata
+        )
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer_id: int,
+        scale: float, meta: TorchAttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """The plan's attention over any table of keys and values [N, Hkv, D] that its slots
+        index: the pool, or `FreshPrefillAttention`'s buffers."""
+        spec = self.layers[layer_id] if self.layers else None
+        k = keys[meta.kv_slots].float()  # [B, K, Hkv, D]
+        v = values[meta.kv_slots].float()
         num_kv = k.shape[2]
         group = q.shape[1] // num_kv
         qp = q[meta.query_index].float()  # [B, Q, Hq, D]

@@ -159,11 +159,12 @@ class TritonBeamAttention:
         return self.inner.prefill_graph_attention(num_sequences, max_tokens)
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         plan = batch.attn_metadata
         if not isinstance(plan, BeamKernelPlan):
-            return self.inner.forward(q, layer_id, scale, batch)
+            return self.inner.forward(q, layer_id, scale, batch, new_kv)
         from flashrec_kernels import beam_cascade_attention
 
         meta = plan.per_group[self.groups.group(layer_id)]

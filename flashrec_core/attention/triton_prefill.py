@@ -86,7 +86,9 @@ class TritonPrefillAttention:
         into `graph`'s buffers when given; every other step plans in the wrapped backend."""
         if isinstance(graph, PrefillKernelGraph):
             return self._plan(step, graph)
-        if graph is None and (_is_prefill(step) or (self.one_query and step.shared_prefix is None)):
+        if graph is None and (
+            step.is_prompt_prefill() or (self.one_query and step.shared_prefix is None)
+        ):
             return self._plan(step, None)
         return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
 
@@ -149,11 +151,12 @@ class TritonPrefillAttention:
         return self.inner.graph_attention(num_requests, num_rows, **shape)
 
     def forward(
-        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         plan = batch.attn_metadata
         if not isinstance(plan, PrefillKernelPlan):
-            return self.inner.forward(q, layer_id, scale, batch)
+            return self.inner.forward(q, layer_id, scale, batch, new_kv)
         from flashrec_kernels import prefill_attention
 
         spec = self.groups.spec(layer_id)
@@ -165,8 +168,3 @@ class TritonPrefillAttention:
             fp8_scores=self.fp8_scores,
         )  # fmt: skip
         return out.to(q.dtype)
-
-
-def _is_prefill(step: StepInput) -> bool:
-    """Several queries per sequence and no beam-step prefix: a prompt (or a chunk of one)."""
-    return step.shared_prefix is None and step.input_ids.numel() > step.qo_indptr.numel() - 1

@@ -160,6 +160,9 @@ def bench_engine(
         "eager_steps": graphs.stats.eager_steps if graphs else None,
         "prefill_replays": prefill.stats.replays if prefill else 0,
         "eager_prefills": prefill.stats.eager if prefill else None,
+        "prefill_graph_failures": list(prefill.stats.failed.values()) if prefill else None,
+        # `--prefill-attention fresh`: prefill plans by path (attention/fresh_prefill.py)
+        "fresh_prefill_paths": dict(getattr(runner.attn_backend, "prefills", {})),
         "exclude_items": exclude_items,
         "allow_items": allow_items,
         "filter_categories": filter_categories,

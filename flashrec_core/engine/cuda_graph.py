@@ -52,6 +52,7 @@ from flashrec_core.engine.graph_capture import record_graph
 from flashrec_core.engine.prefill_graph import (
     MIXED_SEQUENCES,
     empty_prefill,
+    fits_prefill_graph,
     mixed_prefill_shape,
     mixed_token_buckets,
     pad_prefill,
@@ -374,6 +375,8 @@ class DecodeGraphs:
         if shape is None:
             return None
         padded = _MixedPrefill(shape, pad_prefill(prefill, *shape))
+        if not fits_prefill_graph(self.runner.attn_backend, padded.step, shape[0]):
+            return None
         out = self._run_merged(parts, suffix_width, variant, replay, padded)
         if out is None:
             return None

@@ -17,7 +17,7 @@ from flashrec_core.attention import (  # noqa: F401
     flatten_shared_prefix,
 )
 from flashrec_core.attention.segments import SegmentedAttention
-from flashrec_core.config import EngineConfig, triton_usable
+from flashrec_core.config import EngineConfig, fresh_prefill_fallback, triton_usable
 from flashrec_core.engine.build import LoadedModel, create_kv_pool, load_model
 from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocator
 from flashrec_core.layers import ForwardBatch
@@ -62,9 +62,16 @@ class ModelRunner:
                 self.attn_backend, ecfg, max_context, self.config
             )
         assert ecfg.prefill_attention != "auto", "load_model resolves prefill_attention"
-        if ecfg.prefill_attention == "triton":
+        fresh = ecfg.prefill_attention == "fresh"
+        if ecfg.prefill_attention == "triton" or (
+            fresh and fresh_prefill_fallback(ecfg, cfg.head_dim) == "triton"
+        ):
             self.attn_backend = _with_triton_prefills(
                 self.attn_backend, ecfg, max_context, self.config
+            )
+        if fresh:
+            self.attn_backend = _with_fresh_prefills(
+                self.attn_backend, ecfg, self.config, self.dtype
             )
 
     @classmethod
@@ -182,6 +189,20 @@ def _with_triton_prefills(
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_context=max_context,
         max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
         layers=config.layer_attention(), fp8_scores=ecfg.fp8_attention_scores,
+    )  # fmt: skip
+
+
+def _with_fresh_prefills(
+    backend: AttentionBackend, ecfg: EngineConfig, config: ModelConfig, dtype: torch.dtype
+) -> AttentionBackend:
+    from flashrec_core.attention.fresh_prefill import FreshPrefillAttention
+    from flashrec_core.engine.prefill_graph import SEQUENCE_BUCKETS
+
+    return FreshPrefillAttention(
+        backend, torch.device(ecfg.device), num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        dtype=dtype, max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
+        layers=config.layer_attention(),
     )  # fmt: skip
 
 

@@ -115,6 +115,14 @@ def mixed_prefill_shape(tokens: int, requests: int, max_tokens: int) -> tuple[in
     return (fits[0], MIXED_SEQUENCES) if fits else None
 
 
+def fits_prefill_graph(backend: Any, padded: StepInput, tokens: int) -> bool:
+    """Whether the attention backend can replay `padded` in a prefill graph of `tokens` tokens
+    (`FreshPrefillAttention` has room for as many context rows as tokens); backends without
+    the check replay every step that pads to a shape."""
+    fits = getattr(backend, "fits_prefill_graph", None)
+    return fits is None or bool(fits(padded, tokens))
+
+
 def pad_prefill(step: StepInput, tokens: int, sequences: int) -> StepInput:
     """`step` grown to `tokens` tokens in `sequences` sequences by pad sequences over the pad
     slot (see the module docstring); the real sequences keep their tokens, rows and indices.
@@ -237,7 +245,8 @@ class PrefillGraphs:
         graph = None
         if shape is not None and shape not in self.stats.failed:
             padded = pad_prefill(step, *shape)
-            graph = self._graph(shape, padded)
+            if fits_prefill_graph(self.runner.attn_backend, padded, shape[0]):
+                graph = self._graph(shape, padded)
         if graph is None:
             self.stats.eager += 1
             return None

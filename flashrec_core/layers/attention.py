@@ -63,5 +63,5 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. skip_store: K/V already in the pool."""
         if not skip_store:
             batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
-        out = batch.attn_backend.forward(q, layer_id, self.scale, batch)
+        out = batch.attn_backend.forward(q, layer_id, self.scale, batch, new_kv=(k, v))
         return out.reshape(q.shape[0], self.num_q_heads * self.head_dim)

@@ -24,15 +24,18 @@ from flashrec_core.testing.hf_beam import hf_beam_search, teacher_forced_logprob
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["cascade", "flat", "triton", "triton-backend-prefill"])
+@pytest.fixture(
+    scope="module", params=["cascade", "flat", "triton", "triton-backend-prefill", "fresh-prefill"]
+)
 def engine_and_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Beam steps through FlashInfer's cascade, flat decode or the Triton kernel; prefills
-    through FlashInfer (cascade, triton-backend-prefill) or the Triton prefill kernel (flat,
-    triton)."""
+    through FlashInfer (cascade, triton-backend-prefill), the Triton prefill kernel (flat,
+    triton) or FlashInfer's ragged prefill over the prompts' own K/V (fresh-prefill)."""
+    prefill = {"flat": "triton", "triton": "triton", "fresh-prefill": "fresh"}
     return _engine_and_hf(
         tmp_path_factory.mktemp("graphs"), cascade_attention=request.param != "flat",
-        beam_attention="triton" if request.param.startswith("triton") else "cascade",
-        prefill_attention="triton" if request.param in ("flat", "triton") else "backend",
+        beam_attention="cascade" if request.param in ("cascade", "flat") else "triton",
+        prefill_attention=prefill.get(request.param, "backend"),
     )  # fmt: skip
 
 

@@ -36,12 +36,14 @@ kernels round once where the eager ops round twice; FlashInfer sums in another o
 
 
 def _engine(
-    path: Path, catalog: Path, device: str, quantization: str, beam_attention: str = "auto"
-) -> Engine:
+    path: Path, catalog: Path, device: str, quantization: str, beam_attention: str = "auto",
+    prefill_attention: str = "auto",
+) -> Engine:  # fmt: skip
     cfg = EngineConfig(
         model_path=str(path), device=device, dtype="bfloat16", quantization=quantization,
         kv_cache_dtype="fp8_e4m3" if quantization == "fp8" else "bfloat16",
         show_progress=False, kv_cache_tokens=1 << 16, beam_attention=beam_attention,
+        prefill_attention=prefill_attention,
     )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
 
@@ -55,12 +57,17 @@ def _scored(engine: Engine, hf, prompt: str, n: int) -> list[tuple[tuple[int, ..
     return [(c.codes, c.logprob, exact(c.codes)) for c in res.choices]
 
 
-@pytest.mark.parametrize("beam_attention", ["triton", "cascade"])
+@pytest.mark.parametrize(
+    ("beam_attention", "prefill_attention"),
+    [("triton", "auto"), ("cascade", "auto"), ("triton", "fresh")],
+    ids=["triton", "cascade", "fresh-prefill"],
+)
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 @pytest.mark.parametrize("n", [4, 16, 64])
 def test_gpu_beam_search_matches_transformers(
-    checkpoint, tmp_path: Path, n: int, quantization: str, beam_attention: str
-) -> None:
+    checkpoint, tmp_path: Path, n: int, quantization: str, beam_attention: str,
+    prefill_attention: str,
+) -> None:  # fmt: skip
     """Every beam is scored like fp32 transformers scores it, as closely as the engine's own torch
     reference path at the same precision (BF16 or FP8, on CPU) manages, and the beams are as good
     as transformers' beams (rankings may differ only by that error).
@@ -74,7 +81,7 @@ def test_gpu_beam_search_matches_transformers(
     prompt = "user history w1 w7 w3 item w9"
     reference = _scored(_engine(path, catalog, "cpu", quantization), hf, prompt, n)
     tol = 2 * max(abs(ours - exact) for _, ours, exact in reference) + SLACK
-    engine = _engine(path, catalog, "cuda", quantization, beam_attention)
+    engine = _engine(path, catalog, "cuda", quantization, beam_attention, prefill_attention)
     gpu = _scored(engine, hf, prompt, n)
     for codes, ours, exact in gpu:
         assert abs(ours - exact) < tol, f"{codes}: {ours:.4f} vs fp32 {exact:.4f} (tol {tol:.3f})"

@@ -4,20 +4,20 @@ reference's attention in place of FlashInfer's (tests/gpu runs that)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from flashrec_core.attention import TorchAttentionBackend
+from flashrec_core.attention import SharedPrefix, TorchAttentionBackend
 from flashrec_core.attention.fresh_prefill import (
     FreshLayout,
     FreshPrefillAttention,
     FreshPrefillPlan,
 )
 from flashrec_core.config import EngineConfig, SearchConfig
-from flashrec_core.engine.beam_wave import prepare_beam_decode
 from flashrec_core.engine.engine import Engine
 from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.engine.prefill_graph import fits_prefill_graph, pad_prefill
@@ -116,13 +116,11 @@ def test_long_context_prefills_and_beam_steps_go_to_the_wrapped_backend() -> Non
     long_context, _ = _step(new=(2, 3), cached=(9, 1))  # 10 context rows, 5 new tokens
     assert not isinstance(fresh.plan(long_context), FreshPrefillPlan)
     assert fresh.prefills == {"wrapped": 1}
-    rows = 4
-    beam = prepare_beam_decode(
-        tokens=torch.zeros(rows, dtype=torch.int64), positions=torch.zeros(rows, dtype=torch.int64),
-        prompts=torch.arange(1, 8), prompt_lens=torch.tensor([3, 4]),
-        row_request=torch.tensor([0, 0, 1, 1]), history=torch.zeros(rows, 0, dtype=torch.int64),
-        own=torch.arange(20, 24),
-    )  # fmt: skip
+    # a beam step: several rows per request under its shared prompt (the two-level view)
+    step, _ = _step(new=(2, 2), cached=(1, 1))
+    one = torch.tensor([0, 1, 2])
+    prompt = SharedPrefix(one * 2, one * 1, torch.arange(2), one * 2, torch.arange(4))
+    beam = dataclasses.replace(step, shared_prefix=prompt)
     assert not isinstance(fresh.plan(beam), FreshPrefillPlan)
     assert fresh.prefills == {"wrapped": 1}, "beam steps are not prefills"
 

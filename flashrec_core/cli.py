@@ -142,7 +142,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--fp8-gemm-triton-rows", type=int, default=None, metavar="R",
                      help="with --engine: the Triton small-row GEMM (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--fp8-attention-scores", action="store_true", default=None,
-                     help="with --engine: the experimental FP8 score dots (flashrec generate --help)")  # fmt: skip
+                     help="with --engine: the experimental FP8 score dot of the beam kernel (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--host-threads", type=int, default=None, metavar="N",
                      help="with --engine: CPU threads of the loop (flashrec generate --help)")  # fmt: skip
     e2e.add_argument("--merge-beam-steps", action=argparse.BooleanOptionalAction, default=None,
@@ -245,7 +245,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--fp8-attention-scores", action="store_true",
-        help="experimental: the Triton attention kernels' score dots on FP8 tensor cores, "
+        help="experimental: the Triton beam kernel's prompt score dot on FP8 tensor cores, "
         "queries rounded to e4m3 per row (an FP8 KV cache only)",
     )  # fmt: skip
     p.add_argument(

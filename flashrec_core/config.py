@@ -110,11 +110,12 @@ class EngineConfig(BaseModel):
     against 48 ms, p99 245 against 133; docs/benchmarks.md, session 29): a 1,024-token
     prefill is compute-bound, so the steps' rows cost as much inside it as apart."""
     fp8_attention_scores: bool = False
-    """Experimental, off: the Triton prefill and beam kernels' score dots on FP8 tensor cores,
-    each query row rounded in the kernel to e4m3 under its own scale and the FP8 keys taken as
+    """Experimental, off: the Triton beam kernel's prompt score dot on FP8 tensor cores, each
+    query row rounded in the kernel to e4m3 under its own scale and the FP8 keys taken as
     loaded (twice the dot rate, no key conversion; queries keep 4 significant bits instead of
-    8). For measuring speed and beam-score accuracy on the GPU (docs/benchmarks.md, session
-    36); needs an FP8 KV cache and at least one of the Triton attention kernels."""
+    8). On an H100 the kernel ran 11-12% faster at 1,024-token prompts; its beam scores are
+    not yet measured (docs/benchmarks.md, session 37). The prefill kernel's FP8 dot gained
+    nothing there, so prefills keep bf16 queries. Needs an FP8 KV cache and the beam kernel."""
     fp8_gemm_triton_rows: int | None = Field(default=None, ge=0)
     """FP8 projections of at most this many rows (the beam steps of small waves) run through the
     Triton small-row GEMM (`flashrec_kernels.fp8_gemm`) instead of `torch._scaled_mm`, whose
@@ -202,8 +203,8 @@ def resolve_engine_config(
 
 
 def _check_fp8_attention_scores(cfg: EngineConfig) -> None:
-    """`fp8_attention_scores` rounds queries in the Triton kernels against FP8 keys: refused,
-    with what to change, where neither kernel runs or the cache is not FP8."""
+    """`fp8_attention_scores` rounds queries in the Triton beam kernel against FP8 keys:
+    refused, with what to change, where that kernel does not run or the cache is not FP8."""
     if not cfg.fp8_attention_scores:
         return
     if cfg.kv_cache_dtype != "fp8_e4m3":
@@ -211,11 +212,10 @@ def _check_fp8_attention_scores(cfg: EngineConfig) -> None:
             f"--fp8-attention-scores needs an FP8 KV cache, but kv_cache_dtype is "
             f"{cfg.kv_cache_dtype}; pass --kv-cache-dtype fp8_e4m3 or drop the flag"
         )
-    if "triton" not in (cfg.beam_attention, cfg.prefill_attention):
+    if cfg.beam_attention != "triton":
         raise ValueError(
-            "--fp8-attention-scores applies to the Triton attention kernels, and neither runs "
-            f"here (beam attention {cfg.beam_attention}, prefill attention "
-            f"{cfg.prefill_attention}); drop the flag"
+            "--fp8-attention-scores applies to the Triton beam kernel, which does not run here "
+            f"(beam attention {cfg.beam_attention}); pass --beam-attention triton or drop the flag"
         )
 
 

@@ -6,7 +6,7 @@ log-prob - fp32 transformers log-prob| over the returned beams, per n, beam-step
 prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02), and
 after a slash the same bound measured like for like: the CPU torch path scoring exactly the GPU's
 beams (a catalog of those SIDs, searched at width n, returns every one of them). Over an FP8
-cache a last row runs both Triton kernels with the experimental FP8 score dots
+cache a last row runs the Triton beam kernel with its experimental FP8 score dot
 (`--fp8-attention-scores`).
 Usage: python scripts/diagnose_prefill_accuracy.py [OUT_DIR] [--quantization fp8|none]
 """

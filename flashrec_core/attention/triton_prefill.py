@@ -59,14 +59,11 @@ class TritonPrefillAttention:
     def __init__(self, inner: AttentionBackend, device: torch.device, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, max_context: int,
                  max_graph: tuple[int, int] = (0, 0),
-                 layers: Sequence[AttentionSpec] = (), fp8_scores: bool = False) -> None:  # fmt: skip
-        """max_graph: (tokens, sequences) of the largest prefill graph the engine captures;
-        fp8_scores: `EngineConfig.fp8_attention_scores` (the kernel's experimental FP8 score
-        dot)."""
+                 layers: Sequence[AttentionSpec] = ()) -> None:  # fmt: skip
+        """max_graph: (tokens, sequences) of the largest prefill graph the engine captures."""
         from flashrec_kernels.prefill_attention import prefill_block_m
 
         self.inner = inner
-        self.fp8_scores = fp8_scores
         self.name = f"{inner.name}+triton-prefill"
         self.device = device
         inner_dims: tuple[int, ...] | None = getattr(inner, "head_dims", None)
@@ -165,6 +162,5 @@ class TritonPrefillAttention:
             q.to(torch.bfloat16), pool.k_cache[layer_id], pool.v_cache[layer_id],
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.tiles, scale,
             logit_softcap=spec.logit_softcap, window=spec.sliding_window, block_m=self.block_m,
-            fp8_scores=self.fp8_scores,
         )  # fmt: skip
         return out.to(q.dtype)

@@ -188,7 +188,7 @@ def _with_triton_prefills(
         backend, torch.device(ecfg.device), num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, max_context=max_context,
         max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
-        layers=config.layer_attention(), fp8_scores=ecfg.fp8_attention_scores,
+        layers=config.layer_attention(),
     )  # fmt: skip
 
 

@@ -225,35 +225,18 @@ def test_auto_prefill_attention_takes_the_kernel_where_it_applies(
     assert (choice, why in reason) == (expected, True), reason
 
 
-def test_fp8_scores_reach_the_kernel() -> None:
-    """`fp8_scores` (EngineConfig.fp8_attention_scores) reaches the kernel: its prefill equals
-    the torch backend's given the queries rounded as the kernel rounds them (each (token, q
-    head) row to e4m3 under amax / 448), and differs from the wrapper's without it."""
-    pool, step, q = _prefill(torch.float8_e4m3fn)
-    torch_backend = TorchAttentionBackend(CPU)
-    fp8 = TritonPrefillAttention(
-        torch_backend, CPU, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_context=64,
-        fp8_scores=True,
-    )  # fmt: skip
-    scale = q.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
-    rounded = (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
-    got = _attend(fp8, step, pool, q)
-    assert (got - _attend(torch_backend, step, pool, rounded)).abs().max().item() < ATOL
-    assert not torch.equal(got, _attend(_wrapper(torch_backend), step, pool, q))
-
-
 def test_fp8_attention_scores_run_the_engine_and_refuse_what_they_cannot_apply(
     tmp_path: Path,
 ) -> None:
-    """The flag reaches both Triton wrappers of an engine, whose search then returns catalog
-    items; it is refused, with what to change, over a bf16 cache or where neither Triton
-    attention kernel runs."""
+    """The flag reaches the Triton beam wrapper of an engine (not the prefill kernel's, whose
+    FP8 dot gained nothing on an H100), whose search then returns catalog items; it is
+    refused, with what to change, over a bf16 cache or where the beam kernel does not run."""
     engine = _tiny_engine(
         tmp_path, kv_cache_dtype="fp8_e4m3", triton_on_cpu=True, prefill_attention="triton",
         beam_attention="triton", fp8_attention_scores=True,
     )  # fmt: skip
     backend = engine.runner.attn_backend
-    assert isinstance(backend, TritonPrefillAttention) and backend.fp8_scores
+    assert isinstance(backend, TritonPrefillAttention)
     assert isinstance(backend.inner, TritonBeamAttention) and backend.inner.fp8_scores
     [result] = engine.generate([engine.make_request(prompt="w1 w2 w3", n=4)])
     assert len(result.choices) == 4
@@ -261,5 +244,6 @@ def test_fp8_attention_scores_run_the_engine_and_refuse_what_they_cannot_apply(
     with pytest.raises(ValueError, match="needs an FP8 KV cache, but kv_cache_dtype is bfloat16"):
         _tiny_engine(tmp_path, triton_on_cpu=True, prefill_attention="triton",
                      fp8_attention_scores=True)  # fmt: skip
-    with pytest.raises(ValueError, match="neither runs here"):
-        _tiny_engine(tmp_path, kv_cache_dtype="fp8_e4m3", fp8_attention_scores=True)
+    with pytest.raises(ValueError, match="applies to the Triton beam kernel, which does not run"):
+        _tiny_engine(tmp_path, kv_cache_dtype="fp8_e4m3", triton_on_cpu=True,
+                     prefill_attention="triton", fp8_attention_scores=True)  # fmt: skip

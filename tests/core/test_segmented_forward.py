@@ -23,15 +23,18 @@ relative, which moves a final-normed hidden state (|h| <= ~4) by up to ~1.6e-2. 
 project's CPU machine the two agreed exactly.)"""
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+@pytest.fixture(scope="module", params=["backend", "fresh"])
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The torch path, prefills through the backend or over their own K/V (`fresh`: the
+    segment's slice of the layer's K/V reaches the prefill)."""
     from flashrec_core.demo import write_demo
 
     path = tmp_path_factory.mktemp("segments") / "ckpt"
     write_demo(path, "Qwen3ForCausalLM", (16, 16, 16), num_items=800, seed=1)
     cfg = EngineConfig(
-        model_path=str(path), device="cpu", kv_cache_tokens=4096, show_progress=False
-    )
+        model_path=str(path), device="cpu", kv_cache_tokens=4096, show_progress=False,
+        prefill_attention=request.param,
+    )  # fmt: skip
     return Engine.from_config(cfg, SearchConfig(catalog_path=str(path / "catalog.json")))
 
 
@@ -71,7 +74,9 @@ def test_a_prefill_and_beam_steps_in_one_forward_equal_their_own_forwards(engine
     b_slots, c_slots = _prefilled(runner, b), _prefilled(runner, c)
     level1 = _beam_step(runner, [starts[0] + k for k in (1, 4, 9)], [b_slots], level=1)
     level2 = _beam_step(runner, [starts[1] + k for k in (0, 2, 3, 5)], [b_slots, c_slots], level=2)
-    steps = [prepare_prefill([a], [runner.allocator.alloc(len(a))]),
+    # the prompt continues b, whose KV is cached: a prefill with context
+    a_slots = torch.cat([b_slots, runner.allocator.alloc(len(a))])
+    steps = [prepare_prefill([b + a], [a_slots], [len(b)]),
              concat_beam_steps([level1, level2])]  # fmt: skip
     alone = [runner.forward(step) for step in steps]
     slots = torch.cat([s.out_cache_loc for s in steps])

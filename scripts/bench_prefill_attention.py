@@ -13,7 +13,9 @@ with FP8 queries: the default launch with its score dot on FP8 operands (`fp8_sc
 FlashInfer's FA3 (sm90) paged prefill (`_fa3_fp8_rows`; 0.6.13 runs an FP8 cache on sm90 only
 with FP8 queries), each with its error against FlashInfer's bf16-query output. And FA3's ragged
 prefill over bf16 keys in consecutive rows (`_fa3_ragged_rows`): what attending over a prefill's
-own fresh bf16 keys, rather than the FP8 cache, would cost. Usage (on the GPU):
+own fresh bf16 keys, rather than the FP8 cache, would cost; and the engine's
+`--prefill-attention fresh` path as a layer runs it (`_fresh_rows`: the copies and FA3). Usage
+(on the GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
 
@@ -156,7 +158,43 @@ def _bench_case(name: str, new: int, cached: int, prompts: int) -> dict:
         row.update(_fa3_ragged_rows(step, pool, q, ref, new))
     except Exception as exc:
         row["fa3_ragged_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    _label(name, "--prefill-attention fresh (copies + FA3)")
+    try:
+        row.update(_fresh_rows(step, pool, q, ref))
+    except Exception as exc:
+        row["fresh_error"] = f"{type(exc).__name__}: {exc}"[:500]
     return row
+
+
+def _fresh_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The engine's fresh prefill (attention/fresh_prefill.py) as one layer runs it, eagerly:
+    the own rows and the cached context copied into its buffers, then FA3 over them. The
+    layer's K/V are strided views of a qkv buffer holding the pool's own values in bf16 (exact),
+    so the output matches FlashInfer's over the pool to rounding."""
+    from flashrec_core.attention import TorchAttentionBackend
+    from flashrec_core.attention.fresh_prefill import FreshPrefillAttention, FreshPrefillPlan
+
+    fresh = FreshPrefillAttention(
+        TorchAttentionBackend(DEV), DEV, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    plan = fresh.plan(step)
+    assert isinstance(plan, FreshPrefillPlan), "a prefill with less context than new tokens"
+    tokens = q.shape[0]
+    qkv = torch.empty(tokens, (HQ + 2 * HKV) * D, dtype=torch.bfloat16, device=DEV)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(tokens, HKV, D)
+    v = qkv[:, (HQ + HKV) * D :].view(tokens, HKV, D)
+    own = step.out_cache_loc.to(DEV)
+    k.copy_(pool.k_cache[0][own].to(torch.bfloat16))
+    v.copy_(pool.v_cache[0][own].to(torch.bfloat16))
+    batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, fresh, plan)
+    run = functools.partial(fresh.forward, q, 0, D**-0.5, batch, (k, v))
+    got = run().float()
+    return {
+        "fresh_us": triton.testing.do_bench(run, rep=100) * 1e3,
+        "fresh_maxdiff": float((got - ref).abs().max()),
+        "fresh_context_rows": int(plan.context_rows.numel()),
+    }
 
 
 def _fa3_ragged_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor, new: int) -> dict:
@@ -307,6 +345,11 @@ def main() -> None:
             "new tokens' own keys"
         )
         print(f"{'':28s} FlashInfer FA3 ragged, bf16 keys: {ragged}", flush=True)
+        fresh = row.get("fresh_error") or (
+            f"{row['fresh_us']:.1f} us (max |diff| {row['fresh_maxdiff']:.4f}, "
+            f"{row['fresh_context_rows']} context rows copied)"
+        )
+        print(f"{'':28s} --prefill-attention fresh, copies + FA3: {fresh}", flush=True)
         torch.cuda.empty_cache()
         # after every case: a later case's fault would otherwise lose the earlier ones
         (out / "bench_prefill_attention.json").write_text(

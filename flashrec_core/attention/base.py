@@ -61,6 +61,37 @@ class AttentionBackend(Protocol):
         ...
 
 
+class BackendWrapper:
+    """A backend that runs some steps itself and leaves the rest to `inner` (the Triton beam
+    and prefill wrappers, fresh prefills): a step whose plan is not of `plan_type` goes to
+    `inner`, as do beam-step graphs unless a wrapper owns them. Subclasses set `inner` and
+    `plan_type` and implement `attend`."""
+
+    inner: AttentionBackend
+    plan_type: type
+
+    def graph_attention(self, num_requests: int, num_rows: int, **shape: Any) -> Any:
+        """Beam-step graphs belong to the wrapped backend (`shape`: its further arguments,
+        such as the Triton beam kernel's `suffix_width`)."""
+        return self.inner.graph_attention(num_requests, num_rows, **shape)
+
+    def forward(
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        plan = batch.attn_metadata
+        if not isinstance(plan, self.plan_type):
+            return self.inner.forward(q, layer_id, scale, batch, new_kv)
+        return self.attend(q, layer_id, scale, batch, plan, new_kv)
+
+    def attend(
+        self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch, plan: Any,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """This wrapper's own steps (`plan` is of `plan_type`)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class LayerGroups:
     """The distinct attention specs of a model and the group index of each layer."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flashrec_core.attention.base import LayerGroups
+from flashrec_core.attention.base import BackendWrapper, LayerGroups
 from flashrec_core.attention.step import StepInput
 from flashrec_core.attention.torch_ref import TorchAttentionBackend
 from flashrec_core.kvcache.pool import KVPool
@@ -104,8 +104,10 @@ class FreshPrefillGraph:
     per_group: tuple[Any, ...]
 
 
-class FreshPrefillAttention:
+class FreshPrefillAttention(BackendWrapper):
     """Wraps a backend: prompt prefills attend over their fresh keys, the rest go to `inner`."""
+
+    plan_type = FreshPrefillPlan
 
     def __init__(self, inner: AttentionBackend, device: torch.device, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -270,17 +272,10 @@ class FreshPrefillAttention:
             }
         return self._graph_state
 
-    def graph_attention(self, num_requests: int, num_rows: int, **shape: Any) -> Any:
-        """Beam-step graphs belong to the wrapped backend."""
-        return self.inner.graph_attention(num_requests, num_rows, **shape)
-
-    def forward(
+    def attend(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: FreshPrefillPlan, new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:  # fmt: skip
-        plan = batch.attn_metadata
-        if not isinstance(plan, FreshPrefillPlan):
-            return self.inner.forward(q, layer_id, scale, batch, new_kv)
         if new_kv is None:
             raise ValueError("a fresh prefill attends over the layer's new K/V: pass new_kv")
         k, v = new_kv

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
+from flashrec_core.attention.base import (
+    BackendWrapper,
+    LayerGroups,
+    graph_index_buffers,
+    window_shared_prefix,
+)
 from flashrec_core.attention.step import dense_suffix
 from flashrec_core.spec import AttentionSpec
 
@@ -64,8 +69,10 @@ class BeamKernelGraph:
     step's graph serves waves at every level. None: the captured step's own (uniform) count."""
 
 
-class TritonBeamAttention:
+class TritonBeamAttention(BackendWrapper):
     """Wraps a backend: shared-prefix steps go to the Triton kernel, the rest to `inner`."""
+
+    plan_type = BeamKernelPlan
 
     def __init__(self, inner: AttentionBackend, device: torch.device, max_rows: int,
                  max_prompt_slots: int, max_suffix: int = 8,
@@ -137,7 +144,7 @@ class TritonBeamAttention:
             graph.num_rows // graph.num_requests,
         )
 
-    def graph_attention(
+    def graph_attention(  # type: ignore[override]  # it owns the beam-step graphs
         self, num_requests: int, num_rows: int, suffix_width: int | None = None
     ) -> BeamKernelGraph:
         max_rows, max_prompt_slots, max_suffix = self.limits
@@ -158,13 +165,10 @@ class TritonBeamAttention:
         """Prefill runs in the wrapped backend, so do its graphs."""
         return self.inner.prefill_graph_attention(num_sequences, max_tokens)
 
-    def forward(
+    def attend(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: BeamKernelPlan, new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:  # fmt: skip
-        plan = batch.attn_metadata
-        if not isinstance(plan, BeamKernelPlan):
-            return self.inner.forward(q, layer_id, scale, batch, new_kv)
         from flashrec_kernels import beam_cascade_attention
 
         meta = plan.per_group[self.groups.group(layer_id)]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashrec_core.attention.base import LayerGroups, graph_index_buffers
+from flashrec_core.attention.base import BackendWrapper, LayerGroups, graph_index_buffers
 from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -53,8 +53,10 @@ class PrefillKernelGraph:
     num_tiles: int
 
 
-class TritonPrefillAttention:
+class TritonPrefillAttention(BackendWrapper):
     """Wraps a backend: prompt prefills go to the Triton kernel, the rest to `inner`."""
+
+    plan_type = PrefillKernelPlan
 
     def __init__(self, inner: AttentionBackend, device: torch.device, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, max_context: int,
@@ -142,18 +144,10 @@ class TritonPrefillAttention:
             )  # fmt: skip
         return self._buffers
 
-    def graph_attention(self, num_requests: int, num_rows: int, **shape: Any) -> Any:
-        """Beam-step graphs belong to the wrapped backend (`shape`: its further arguments,
-        such as the Triton beam kernel's `suffix_width`)."""
-        return self.inner.graph_attention(num_requests, num_rows, **shape)
-
-    def forward(
+    def attend(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        plan: PrefillKernelPlan, new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:  # fmt: skip
-        plan = batch.attn_metadata
-        if not isinstance(plan, PrefillKernelPlan):
-            return self.inner.forward(q, layer_id, scale, batch, new_kv)
         from flashrec_kernels import prefill_attention
 
         spec = self.groups.spec(layer_id)

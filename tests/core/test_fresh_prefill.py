@@ -23,10 +23,7 @@ from flashrec_core.engine.model_runner import prepare_prefill
 from flashrec_core.engine.prefill_graph import fits_prefill_graph, pad_prefill
 from flashrec_core.kvcache import KVPool
 from flashrec_core.layers import ForwardBatch
-from flashrec_core.registry import Registry
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.testing.beam_conformance import LEVELS, random_codes, write_catalog
-from flashrec_core.testing.checkpoint import write_tiny_checkpoint
 
 CPU = torch.device("cpu")
 HQ, HKV, D = 4, 2, 32
@@ -135,16 +132,18 @@ def test_a_prefill_graph_fits_as_many_context_rows_as_its_tokens() -> None:
     assert fits_prefill_graph(TorchAttentionBackend(CPU), pad_prefill(step, 12, 5), 12)
 
 
-def _tiny_engine(tmp_path: Path, **settings) -> Engine:
-    spec = Registry.discover().resolve("Qwen3ForCausalLM")
-    write_tiny_checkpoint(tmp_path, spec.examples[0].hf_config, level_sizes=LEVELS)
-    catalog = write_catalog(tmp_path / "c.json", random_codes(300, seed=5))
+def _tiny_engine(path: Path, **settings) -> Engine:
+    """The demo checkpoint (a tiny Qwen3 of 3 x 16 codes) in bf16 on the CPU."""
+    from flashrec_core.demo import write_demo
+
+    if not (path / "catalog.json").exists():
+        write_demo(path, "Qwen3ForCausalLM", (16, 16, 16), num_items=800, seed=1)
     cfg = EngineConfig(
-        model_path=str(tmp_path), device="cpu", dtype="bfloat16", show_progress=False,
+        model_path=str(path), device="cpu", dtype="bfloat16", show_progress=False,
         kv_cache_tokens=4096, enable_fused_rms_fp8=False, enable_fused_silu_fp8=False,
         **settings,
     )  # fmt: skip
-    return Engine.from_config(cfg, SearchConfig(catalog_path=str(catalog)))
+    return Engine.from_config(cfg, SearchConfig(catalog_path=str(path / "catalog.json")))
 
 
 def _search(engine: Engine) -> list[dict[tuple[int, ...], float]]:

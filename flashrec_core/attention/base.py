@@ -160,7 +160,22 @@ def request_own_slots(sp: SharedPrefix) -> torch.Tensor:
     return torch.where(has_rows, own, torch.ones_like(own))
 
 
-def graph_index_buffers(device: torch.device, **lengths: int) -> dict[str, torch.Tensor]:
-    """Zeroed int32 index buffers that CUDA-graph-mode plans fill before each replay (their
+def graph_index_buffers(
+    device: torch.device, dtype: torch.dtype = torch.int32, **lengths: int
+) -> dict[str, torch.Tensor]:
+    """Zeroed index buffers that CUDA-graph-mode plans fill before each replay (their
     addresses are baked into the captured kernels)."""
-    return {name: torch.zeros(n, dtype=torch.int32, device=device) for name, n in lengths.items()}
+    return {name: torch.zeros(n, dtype=dtype, device=device) for name, n in lengths.items()}
+
+
+def check_prefill_graph_room(
+    max_graph: tuple[int, int], sequences: int, tokens: int, owner: str
+) -> None:
+    """A prefill graph of `sequences` x `tokens` must fit the buffers `owner` allocated once
+    for the largest graph, `max_graph` (tokens, sequences)."""
+    most_tokens, most_sequences = max_graph
+    if tokens > most_tokens or sequences > most_sequences:
+        raise ValueError(
+            f"a prefill graph of {sequences} sequences x {tokens} tokens exceeds the {owner} "
+            f"buffers ({most_sequences} x {most_tokens})"
+        )

@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from flashrec_core.attention.base import BackendWrapper, LayerGroups
+from flashrec_core.attention.base import (
+    BackendWrapper,
+    LayerGroups,
+    check_prefill_graph_room,
+    graph_index_buffers,
+)
 from flashrec_core.attention.step import StepInput
 from flashrec_core.attention.torch_ref import TorchAttentionBackend
 from flashrec_core.kvcache.pool import KVPool
@@ -249,26 +254,19 @@ class FreshPrefillAttention(BackendWrapper):
     def _graph_buffers(self, graph: FreshPrefillGraph) -> dict[str, torch.Tensor]:
         """The fixed buffers every prefill graph replays over, allocated once for the largest
         (`max_graph`): room for its tokens and as many context rows, plus a spare row."""
+        check_prefill_graph_room(
+            self.max_graph, graph.num_sequences, graph.max_tokens, "fresh-prefill"
+        )
         tokens, sequences = self.max_graph
-        if graph.max_tokens > tokens or graph.num_sequences > sequences:
-            raise ValueError(
-                f"a prefill graph of {graph.num_sequences} sequences x {graph.max_tokens} tokens "
-                f"exceeds the fresh-prefill buffers ({sequences} x {tokens})"
-            )
         if self._graph_state is None:
-            hkv, d, dev = self.shape[1], self.shape[2], self.device
-
-            def index(n: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-                return torch.zeros(n, dtype=dtype, device=dev)
-
+            size, dev = (2 * tokens + 1, *self.shape[1:]), self.device
             self._graph_state = {
-                "k": torch.zeros(2 * tokens + 1, hkv, d, dtype=self.dtype, device=dev),
-                "v": torch.zeros(2 * tokens + 1, hkv, d, dtype=self.dtype, device=dev),
-                "own_rows": index(tokens),
-                "context_rows": index(tokens),
-                "context_slots": index(tokens),
-                "qo_indptr": index(sequences + 1, torch.int32),
-                "kv_indptr": index(sequences + 1, torch.int32),
+                "k": torch.zeros(size, dtype=self.dtype, device=dev),
+                "v": torch.zeros(size, dtype=self.dtype, device=dev),
+                **graph_index_buffers(
+                    dev, torch.int64, own_rows=tokens, context_rows=tokens, context_slots=tokens
+                ),
+                **graph_index_buffers(dev, qo_indptr=sequences + 1, kv_indptr=sequences + 1),
             }
         return self._graph_state
 

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashrec_core.attention.base import BackendWrapper, LayerGroups, graph_index_buffers
+from flashrec_core.attention.base import (
+    BackendWrapper,
+    LayerGroups,
+    check_prefill_graph_room,
+    graph_index_buffers,
+)
 from flashrec_core.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -129,12 +134,10 @@ class TritonPrefillAttention(BackendWrapper):
         reallocated."""
         from flashrec_kernels.prefill_attention import prefill_tile_capacity
 
+        check_prefill_graph_room(
+            self.max_graph, graph.num_sequences, graph.max_tokens, "Triton prefill"
+        )
         tokens, sequences = self.max_graph
-        if graph.max_tokens > tokens or graph.num_sequences > sequences:
-            raise ValueError(
-                f"a prefill graph of {graph.num_sequences} sequences x {graph.max_tokens} tokens "
-                f"exceeds the Triton prefill buffers ({sequences} x {tokens})"
-            )
         if self._buffers is None:
             self._buffers = graph_index_buffers(
                 self.device, qo_indptr=sequences + 1, kv_indptr=sequences + 1,

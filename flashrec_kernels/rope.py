@@ -10,6 +10,11 @@ then rounded to q.dtype. k_cache[out_loc] / v_cache[out_loc] receive k (as store
 cache equals what an unfused store of k would write) and v, cast to the cache dtype; an FP8 cache
 is a plain cast (scale 1.0) clamped to +-448. cos_sin_cache is [max_pos, r]: cos in columns
 [0, r/2), sin in [r/2, r). A model without qk-norm passes no norm weights and gets no norm.
+
+`mirror` = (k_out, v_out, rows), optional: token i's k (as stored in place) and v also go to row
+rows[i] of k_out / v_out [N, Hkv, D] in k's dtype, exact copies. A fresh prefill attends over
+those buffers (flashrec_core/attention/fresh_prefill.py); writing them here saves a pass that
+reads k and v back.
 """
 
 from __future__ import annotations
@@ -59,6 +64,24 @@ def _check_rotary(q: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int 
     return width
 
 
+Mirror = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(k_out, v_out, rows): where a fused store also copies each token's k and v."""
+
+
+def _check_mirror(k: torch.Tensor, mirror: Mirror) -> None:
+    k_out, v_out, rows = mirror
+    for name, buf in (("mirror k_out", k_out), ("mirror v_out", v_out)):
+        if buf.dim() != 3 or buf.shape[1:] != k.shape[1:] or buf.dtype != k.dtype:
+            _fail(
+                f"{name} must be [rows, {k.shape[1]}, {k.shape[2]}] in {k.dtype}, got "
+                f"{buf.dtype} {tuple(buf.shape)}"
+            )
+        if buf.stride(2) != 1:
+            _fail(f"{name} needs unit stride along D, got strides {buf.stride()}")
+    if rows.shape != (k.shape[0],) or rows.dtype not in (torch.int64, torch.int32):
+        _fail(f"mirror rows must be int64/int32 [{k.shape[0]}], got {rows.dtype} {rows.shape}")
+
+
 def check_rope_args(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,10 +93,13 @@ def check_rope_args(
     out_loc: torch.Tensor,
     norm_weights: tuple[torch.Tensor | None, torch.Tensor | None],
     rotary_dim: int | None,
+    mirror: Mirror | None = None,
 ) -> int:
     """Validate every argument of `rope_norm_store`; return the rotary dim (default: cache width)."""
     _check_heads(q, k, v)
     _check_caches(k, k_cache, v_cache)
+    if mirror is not None:
+        _check_mirror(k, mirror)
     num_tokens = q.shape[0]
     for name, idx in (("positions", positions), ("out_loc", out_loc)):
         if idx.shape != (num_tokens,) or idx.dtype not in (torch.int64, torch.int32):
@@ -116,17 +142,24 @@ def rope_norm_store_ref(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     rotary_dim: int | None = None,
+    mirror: Mirror | None = None,
 ) -> None:
-    """Torch reference: modifies q, k in place and writes k, v into the caches at out_loc."""
+    """Torch reference: modifies q, k in place and writes k, v into the caches at out_loc
+    (and into the mirror's rows)."""
     norm_weights = (q_norm_weight, k_norm_weight)
     rotary_dim = check_rope_args(
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, rotary_dim
-    )
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, rotary_dim,
+        mirror,
+    )  # fmt: skip
     cos, sin = cos_sin_cache[positions].float().unsqueeze(1).chunk(2, dim=-1)  # [T, 1, r/2] each
     q.copy_(_norm_rope_ref(q, q_norm_weight, eps, cos, sin))
     k.copy_(_norm_rope_ref(k, k_norm_weight, eps, cos, sin))
     k_cache[out_loc] = _to_cache(k, k_cache.dtype)
     v_cache[out_loc] = _to_cache(v, v_cache.dtype)
+    if mirror is not None:
+        k_out, v_out, rows = mirror
+        k_out[rows] = k
+        v_out[rows] = v
 
 
 def rope_norm_store(
@@ -142,15 +175,18 @@ def rope_norm_store(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     rotary_dim: int | None = None,
+    mirror: Mirror | None = None,
 ) -> None:
     """Triton version of `rope_norm_store_ref`: one program per (token, block of up to 16 heads)."""
     norm_weights = (q_norm_weight, k_norm_weight)
     rotary_dim = check_rope_args(
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, rotary_dim
-    )
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, rotary_dim,
+        mirror,
+    )  # fmt: skip
     check_triton_device(q, _KERNEL)
     from .triton_rope import launch_rope_norm_store
 
     launch_rope_norm_store(
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, eps, rotary_dim
-    )
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc, norm_weights, eps,
+        rotary_dim, mirror=mirror,
+    )  # fmt: skip

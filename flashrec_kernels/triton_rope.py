@@ -2,7 +2,8 @@
 heads); one token per program by default (`tokens_per_program`).
 
 q blocks rotate q heads in place; kv blocks rotate k heads in place and store them and the
-matching v heads into the caches at out_loc. All offsets are explicit strides, so q/k/v can
+matching v heads into the caches at out_loc, and with a mirror also into rows of two more
+buffers in k's dtype (a fresh prefill's keys). All offsets are explicit strides, so q/k/v can
 be zero-copy views of the fused qkv buffer.
 """
 
@@ -90,13 +91,15 @@ def _rope_norm_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, qw_ptr, kw_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     kc_stride_s, kc_stride_h, vc_stride_s, vc_stride_h, cs_stride, pos_stride, loc_stride, eps,
-    num_tokens, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
+    mk_ptr, mv_ptr, mrow_ptr, mk_stride_s, mk_stride_h, mv_stride_s, mv_stride_h, mrow_stride,
+    num_tokens, HAS_MIRROR: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_T tokens, head block): head blocks < Q_BLOCKS rotate BLOCK_R q
     heads of each token in place; the others rotate BLOCK_R k heads in place and store them and
-    the matching v heads into the caches. Its BLOCK_T x BLOCK_R head rows are one flat block."""
+    the matching v heads into the caches (and, if HAS_MIRROR, both into the mirror's rows).
+    Its BLOCK_T x BLOCK_R head rows are one flat block."""
     block = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_T * BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
@@ -160,6 +163,16 @@ def _rope_norm_store_kernel(
         vc_rows = v_cache_ptr + slot * vc_stride_s + kv_heads * vc_stride_h
         v_out = cast_for_store(v, v_cache_ptr.dtype.element_ty)
         tl.store(vc_rows[:, None] + offs_d[None, :], v_out, mask=mask_v)
+        if HAS_MIRROR:  # k as stored in place and v, in their own dtype: exact copies
+            if BLOCK_T == 1:
+                row = tl.load(mrow_ptr + tok * mrow_stride).to(tl.int64)
+            else:
+                row = tl.load(mrow_ptr + tok * mrow_stride, mask=mask_t, other=0).to(tl.int64)
+            mk_rows = mk_ptr + row * mk_stride_s + kv_heads * mk_stride_h
+            _store_rows(mk_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
+            mv_rows = mv_ptr + row * mv_stride_s + kv_heads * mv_stride_h
+            mv_out = cast_for_store(v, mv_ptr.dtype.element_ty)
+            tl.store(mv_rows[:, None] + offs_d[None, :], mv_out, mask=mask_v)
 
 
 SMALL_LAUNCH_TOKENS = 4096
@@ -194,10 +207,12 @@ def launch_rope_norm_store(
     rotary_dim: int,
     tokens_per_program: int | None = None,
     num_warps: int | None = None,
+    mirror: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the (token blocks, q blocks + kv blocks) grid; arguments are validated by the
     public wrapper. `tokens_per_program` (a power of two) and `num_warps` are the launch
-    configuration: by default `default_launch` (scripts/bench_elementwise.py tries others)."""
+    configuration: by default `default_launch` (scripts/bench_elementwise.py tries others).
+    `mirror`: (k_out, v_out, rows), token i's k and v also go to row rows[i] of each."""
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -213,13 +228,15 @@ def launch_rope_norm_store(
         triton.cdiv(num_tokens, tokens_per_program),
         q_blocks + triton.cdiv(num_kv_heads, block_r),
     )
+    mk, mv, mrow = mirror if mirror is not None else (k, v, out_loc)  # never read without one
     _rope_norm_store_kernel[grid](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_loc,
         q if q_w is None else q_w, k if k_w is None else k_w,  # never read when the norm is off
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        cos_sin_cache.stride(0), positions.stride(0), out_loc.stride(0), eps, num_tokens,
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_BLOCKS=q_blocks,
+        cos_sin_cache.stride(0), positions.stride(0), out_loc.stride(0), eps,
+        mk, mv, mrow, mk.stride(0), mk.stride(1), mv.stride(0), mv.stride(1), mrow.stride(0),
+        num_tokens, HAS_MIRROR=mirror is not None, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_BLOCKS=q_blocks,
         D=head_dim, HALF=rotary_dim // 2, HAS_Q_NORM=q_w is not None, HAS_K_NORM=k_w is not None,
         BLOCK_T=tokens_per_program, BLOCK_R=block_r, BLOCK_D=block_d,
         BLOCK_H=triton.next_power_of_2(rotary_dim // 2), num_warps=num_warps,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -98,6 +98,8 @@ class FreshPrefillPlan:
     buffers: tuple[torch.Tensor, torch.Tensor] | None  # K, V; None: attend over the layer's K/V
     per_group: tuple[Any, ...]  # planned FlashInfer wrappers, one per layer group (CUDA)
     torch_meta: Any  # TorchAttentionMetadata over the buffers' rows (off CUDA)
+    mirrored: set[int] = field(default_factory=set)
+    """Layers whose own rows the fused RoPE kernel wrote (`claim_kv_mirror`): no copy here."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ class FreshPrefillAttention(BackendWrapper):
         self._graph_state: dict[str, torch.Tensor] | None = None
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
-        `inner`: more context than new tokens, or a graph without room for it)."""
+        `inner`: more context than new tokens, or a graph without room for it); and "mirrored":
+        plans with context whose own rows the fused RoPE kernel wrote (`claim_kv_mirror`)."""
         if device.type == "cuda":
             import flashinfer
 
@@ -270,6 +273,20 @@ class FreshPrefillAttention(BackendWrapper):
             }
         return self._graph_state
 
+    def claim_kv_mirror(
+        self, batch: ForwardBatch, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The buffers and own rows of a prefill with context, for the fused RoPE kernel to
+        write this layer's new K/V into as it stores them (one pass less than copying them
+        here); None for every other step (mixed steps' batches hold a segmented plan)."""
+        plan = batch.attn_metadata
+        if not isinstance(plan, FreshPrefillPlan) or plan.buffers is None:
+            return None
+        if not plan.mirrored:
+            self.prefills["mirrored"] += 1
+        plan.mirrored.add(layer_id)
+        return (*plan.buffers, plan.own_rows)
+
     def attend(
         self, q: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch,
         plan: FreshPrefillPlan, new_kv: tuple[torch.Tensor, torch.Tensor] | None,
@@ -283,7 +300,8 @@ class FreshPrefillAttention(BackendWrapper):
             keys, values = plan.buffers
             pool = batch.kv_pool
             for buf, new, cache in ((keys, k, pool.k_cache), (values, v, pool.v_cache)):
-                buf.index_copy_(0, plan.own_rows, new.to(buf.dtype))
+                if layer_id not in plan.mirrored:
+                    buf.index_copy_(0, plan.own_rows, new.to(buf.dtype))
                 # exact: an FP8 cache holds plain casts, which bf16 / fp16 represent
                 context = cache[layer_id].index_select(0, plan.context_slots)
                 buf.index_copy_(0, plan.context_rows, context.to(buf.dtype))

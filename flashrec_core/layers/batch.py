@@ -30,3 +30,13 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def claim_kv_mirror(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where a fused K/V store should also copy this layer's new K/V: (k_out, v_out, rows),
+        token i to row rows[i], or None. A backend that attends over its own copy of the new
+        K/V (`FreshPrefillAttention.claim_kv_mirror`) hands out its buffers and then leaves the
+        copy to the caller, which must write it before attention runs."""
+        claim = getattr(self.attn_backend, "claim_kv_mirror", None)
+        return None if claim is None else claim(self, layer_id)

@@ -2,7 +2,8 @@
 
 One module per model owns the cos/sin cache. Called on the per-head q/k views of the fused qkv
 buffer, it applies the optional q/k RMSNorm and RoPE and, when the fused kernel is enabled, also
-stores K/V into the pool in the same pass and reports it so attention skips its own store.
+stores K/V into the pool in the same pass (and into a fresh prefill's key buffers, when the
+backend hands them out) and reports it so attention skips its own store.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class RotaryEmbedding(nn.Module):
                 q_norm_weight=None if q_norm is None else q_norm.gain(),
                 k_norm_weight=None if k_norm is None else k_norm.gain(),
                 eps=q_norm.eps if q_norm is not None else 1e-6,
-                rotary_dim=self.rotary_dim,
+                rotary_dim=self.rotary_dim, mirror=batch.claim_kv_mirror(layer_id),
             )  # fmt: skip
             return q, k, True
         if q_norm is not None:

@@ -164,8 +164,8 @@ def test_engine_with_fresh_prefills_equals_the_backends_over_a_bf16_cache(
     """The whole engine in bf16 with a bf16 cache, where a prompt's fresh K/V equal what the
     cache holds: the same beams and the same log-probs as the backend's prefill, bit for bit
     (the same torch attention over the same values). With the fused RoPE kernel (interpreted)
-    the keys come from the qkv buffer the kernel rotated in place. Prefix-cache hits take the
-    context path."""
+    the keys come from the qkv buffer the kernel rotated in place, and a prefill with context
+    gets its own rows from the kernel's mirror. Prefix-cache hits take the context path."""
     settings = dict(enable_fused_qk_rope_kv=fused_rope, triton_on_cpu=fused_rope)
     backend = _search(_tiny_engine(tmp_path, prefill_attention="backend", **settings))
     engine = _tiny_engine(tmp_path, prefill_attention="fresh", **settings)
@@ -173,6 +173,8 @@ def test_engine_with_fresh_prefills_equals_the_backends_over_a_bf16_cache(
     assert isinstance(fresh, FreshPrefillAttention)
     assert _search(engine) == backend
     assert fresh.prefills["with context"] >= 1 and fresh.prefills["fresh"] >= 1
+    mirrored = fresh.prefills["with context"] if fused_rope else 0
+    assert fresh.prefills["mirrored"] == mirrored
 
 
 def test_fresh_needs_flashinfer_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

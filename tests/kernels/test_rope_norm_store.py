@@ -217,3 +217,51 @@ def test_rejects_bad_arguments() -> None:
         )
     with pytest.raises(ValueError, match="positions must be"):
         rope_norm_store_ref(x.q, x.k, x.v, idx.float(), _cos_sin_cache(4, 16), *caches, idx)
+    mirror = (torch.zeros(4, 1, 16, dtype=torch.bfloat16), torch.zeros(4, 1, 16), idx)
+    with pytest.raises(ValueError, match=r"mirror k_out must be \[rows, 1, 16\] in torch.float32"):
+        rope_norm_store_ref(x.q, x.k, x.v, idx, _cos_sin_cache(4, 16), *caches, idx, mirror=mirror)
+    mirror = (torch.zeros(4, 1, 16), torch.zeros(4, 1, 16), torch.arange(3))
+    with pytest.raises(ValueError, match=r"mirror rows must be int64/int32 \[2\]"):
+        rope_norm_store(x.q, x.k, x.v, idx, _cos_sin_cache(4, 16), *caches, idx, mirror=mirror)
+
+
+@pytest.mark.parametrize("tokens", [1, 2], ids=["one-token", "two-tokens"])
+def test_kernel_mirror(device: torch.device, tokens: int) -> None:
+    """With a mirror, token i's k (as rotated in place) and v also land in row rows[i] of two
+    buffers in k's dtype, exact copies; the other rows stay as they were. One token a program
+    (scalar row index) and two (per-row indices, the last program half masked)."""
+    from flashrec_kernels.triton_rope import launch_rope_norm_store
+
+    hq, hkv, d, t = 4, 2, 64, 5
+    gen = torch.Generator().manual_seed(6)
+    k_w = (1 + 0.3 * torch.randn(d, generator=gen)).to(torch.bfloat16).to(device)
+    positions = torch.tensor([0, 3, 100, 7, 9], device=device)
+    out_loc = torch.tensor([5, 0, 23, 11, 2], device=device)
+    rows = torch.tensor([6, 1, 2, 9, 4], device=device)  # 10 rows: 0, 3, 5, 7, 8 untouched
+    cos_sin = _cos_sin_cache(128, d).to(device)
+    x = _make_qkv(t, hq, hkv, d, torch.bfloat16, seed=7)
+    x = _qkv_views(x.buf.to(device), hq, hkv, d)
+    v_before = x.v.clone()
+    caches = torch.zeros(2, NUM_SLOTS, hkv, d, device=device).to(FP8_DTYPE)
+    sentinel = torch.full((2, 10, hkv, d), 7.0, dtype=torch.bfloat16, device=device)
+    mirror = (sentinel[0].clone(), sentinel[1].clone(), rows)
+    launch_rope_norm_store(
+        x.q, x.k, x.v, positions, cos_sin, caches[0], caches[1], out_loc, (None, k_w), EPS, d,
+        tokens_per_program=tokens, mirror=mirror,
+    )  # fmt: skip
+    k_out, v_out, _ = mirror
+    assert torch.equal(k_out[rows], x.k) and torch.equal(v_out[rows], v_before)
+    untouched = torch.ones(10, dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert torch.equal(k_out[untouched], sentinel[0][untouched])
+    assert torch.equal(v_out[untouched], sentinel[1][untouched])
+    # the reference writes the same mirror
+    y = _qkv_views(_make_qkv(t, hq, hkv, d, torch.bfloat16, seed=7).buf.to(device), hq, hkv, d)
+    ref = (sentinel[0].clone(), sentinel[1].clone(), rows)
+    ref_caches = torch.zeros_like(caches)
+    rope_norm_store_ref(
+        y.q, y.k, y.v, positions, cos_sin, ref_caches[0], ref_caches[1], out_loc, None, k_w,
+        EPS, d, mirror=ref,
+    )  # fmt: skip
+    _assert_rope_close(ref[0], k_out)
+    assert torch.equal(ref[1], v_out)

@@ -14,7 +14,8 @@ FlashInfer's FA3 (sm90) paged prefill (`_fa3_fp8_rows`; 0.6.13 runs an FP8 cache
 with FP8 queries), each with its error against FlashInfer's bf16-query output. And FA3's ragged
 prefill over bf16 keys in consecutive rows (`_fa3_ragged_rows`): what attending over a prefill's
 own fresh bf16 keys, rather than the FP8 cache, would cost; and the engine's
-`--prefill-attention fresh` path as a layer runs it (`_fresh_rows`: the copies and FA3). Usage
+`--prefill-attention fresh` path as a layer runs it (`_fresh_rows`: the copies and FA3, and
+without the own rows' copy, which the fused RoPE kernel writes in the engine). Usage
 (on the GPU):
     python scripts/bench_prefill_attention.py [OUT_DIR [CASE_SUBSTRING]]
 """
@@ -190,11 +191,16 @@ def _fresh_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
     batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, fresh, plan)
     run = functools.partial(fresh.forward, q, 0, D**-0.5, batch, (k, v))
     got = run().float()
-    return {
+    row = {
         "fresh_us": triton.testing.do_bench(run, rep=100) * 1e3,
         "fresh_maxdiff": float((got - ref).abs().max()),
         "fresh_context_rows": int(plan.context_rows.numel()),
     }
+    if plan.buffers is not None:  # the own rows written by the fused RoPE kernel (its mirror):
+        batch.claim_kv_mirror(0)  # what is left here is the context's copy and FA3
+        row["fresh_mirrored_us"] = triton.testing.do_bench(run, rep=100) * 1e3
+        row["fresh_mirrored_maxdiff"] = float((run().float() - ref).abs().max())
+    return row
 
 
 def _fa3_ragged_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor, new: int) -> dict:
@@ -349,6 +355,8 @@ def main() -> None:
             f"{row['fresh_us']:.1f} us (max |diff| {row['fresh_maxdiff']:.4f}, "
             f"{row['fresh_context_rows']} context rows copied)"
         )
+        if "fresh_mirrored_us" in row:
+            fresh += f"; {row['fresh_mirrored_us']:.1f} us with the own rows mirrored by RoPE"
         print(f"{'':28s} --prefill-attention fresh, copies + FA3: {fresh}", flush=True)
         torch.cuda.empty_cache()
         # after every case: a later case's fault would otherwise lose the earlier ones

@@ -24,6 +24,7 @@ from .fp8 import (
     quantize_rows_ref,
 )
 from .fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_gemm_rows
+from .kv_rows import copy_kv_rows, copy_kv_rows_ref
 from .prefill_attention import prefill_attention, prefill_attention_ref, prefill_tiles
 from .rms_norm import rms_norm_quant_fp8, rms_norm_quant_fp8_ref
 from .rope import rope_norm_store, rope_norm_store_ref
@@ -52,6 +53,8 @@ __all__ = [
     "TrieTopK",
     "beam_cascade_attention",
     "beam_cascade_attention_ref",
+    "copy_kv_rows",
+    "copy_kv_rows_ref",
     "fp8_gemm",
     "fp8_gemm_ref",
     "fp8_gemm_rows",

@@ -177,7 +177,7 @@ def _fresh_rows(step, pool: KVPool, q: torch.Tensor, ref: torch.Tensor) -> dict:
 
     fresh = FreshPrefillAttention(
         TorchAttentionBackend(DEV), DEV, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-        dtype=torch.bfloat16,
+        dtype=torch.bfloat16, triton_copies=True,
     )  # fmt: skip
     plan = fresh.plan(step)
     assert isinstance(plan, FreshPrefillPlan), "a prefill with less context than new tokens"

@@ -47,6 +47,7 @@ from flashrec_core.attention.step import StepInput
 from flashrec_core.attention.torch_ref import TorchAttentionBackend
 from flashrec_core.kvcache.pool import KVPool
 from flashrec_core.spec import AttentionSpec
+from flashrec_kernels import copy_kv_rows, copy_kv_rows_ref
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
@@ -118,10 +119,11 @@ class FreshPrefillAttention(BackendWrapper):
 
     def __init__(self, inner: AttentionBackend, device: torch.device, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 max_graph: tuple[int, int] = (0, 0),
-                 layers: Sequence[AttentionSpec] = ()) -> None:  # fmt: skip
+                 max_graph: tuple[int, int] = (0, 0), layers: Sequence[AttentionSpec] = (),
+                 triton_copies: bool = False) -> None:  # fmt: skip
         """dtype: the model's (the layers' K/V); max_graph: (tokens, sequences) of the largest
-        prefill graph the engine captures."""
+        prefill graph the engine captures; triton_copies: copy cached context with the one-launch
+        Triton kernel (`flashrec_kernels.copy_kv_rows`), else its torch reference."""
         self.inner = inner
         self.name = f"{inner.name}+fresh-prefill"
         self.device = device
@@ -132,6 +134,7 @@ class FreshPrefillAttention(BackendWrapper):
         self.supports_prefill_graphs = device.type == "cuda"
         self.max_graph = max_graph
         self._graph_state: dict[str, torch.Tensor] | None = None
+        self._copy_context = copy_kv_rows if triton_copies else copy_kv_rows_ref
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
         `inner`: more context than new tokens, or a graph without room for it); and "mirrored":
@@ -298,13 +301,15 @@ class FreshPrefillAttention(BackendWrapper):
             keys, values = k, v
         else:
             keys, values = plan.buffers
+            if layer_id not in plan.mirrored:
+                keys.index_copy_(0, plan.own_rows, k.to(keys.dtype))
+                values.index_copy_(0, plan.own_rows, v.to(values.dtype))
+            # exact: an FP8 cache holds plain casts, which bf16 / fp16 represent
             pool = batch.kv_pool
-            for buf, new, cache in ((keys, k, pool.k_cache), (values, v, pool.v_cache)):
-                if layer_id not in plan.mirrored:
-                    buf.index_copy_(0, plan.own_rows, new.to(buf.dtype))
-                # exact: an FP8 cache holds plain casts, which bf16 / fp16 represent
-                context = cache[layer_id].index_select(0, plan.context_slots)
-                buf.index_copy_(0, plan.context_rows, context.to(buf.dtype))
+            self._copy_context(
+                pool.k_cache[layer_id], pool.v_cache[layer_id], plan.context_slots, keys, values,
+                plan.context_rows,
+            )  # fmt: skip
         if plan.torch_meta is not None:
             return self._torch.attend(q, keys, values, layer_id, scale, plan.torch_meta)
         wrapper = plan.per_group[self.groups.group(layer_id)]

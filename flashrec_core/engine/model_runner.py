@@ -202,7 +202,7 @@ def _with_fresh_prefills(
         backend, torch.device(ecfg.device), num_q_heads=config.num_q_heads,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         dtype=dtype, max_graph=(ecfg.prefill_graph_tokens, SEQUENCE_BUCKETS[-1]),
-        layers=config.layer_attention(),
+        layers=config.layer_attention(), triton_copies=bool(ecfg.triton_kernels),
     )  # fmt: skip
 
 

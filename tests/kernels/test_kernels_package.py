@@ -27,6 +27,7 @@ def test_every_kernel_has_a_reference() -> None:
         "rope_norm_store",
         "trie_topk",
         "beam_cascade_attention",
+        "copy_kv_rows",
     }
     assert {f"{k}_ref" for k in kernels} | kernels <= names
     assert all(hasattr(flashrec_kernels, name) for name in names)

@@ -1,0 +1,68 @@
+"""Triton kernel of `copy_kv_rows`: one program per block of rows, K and V of all heads."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp8 import cast_for_store
+
+__all__ = ["launch_copy_kv_rows"]
+
+ROWS_PER_PROGRAM = 4
+"""Rows a program copies: 4 x 8 heads x 128 dims of K and of V (a Qwen3-1.7B layer) is 8 KB
+of loads in flight per program, and a prefill's few hundred context rows still fill the GPU."""
+
+
+@triton.jit
+def _copy_rows(src, dst, slot, row, mask, s_stride_s, s_stride_h, d_stride_s, d_stride_h,
+               H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """[R] slots of src -> [R] rows of dst, [R, BLOCK_H, BLOCK_D] at once, in dst's dtype."""
+    offs_h = tl.arange(0, BLOCK_H)[None, :, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, None, :]
+    m = mask[:, None, None] & (offs_h < H) & (offs_d < D)
+    src_ptrs = src + slot[:, None, None] * s_stride_s + offs_h * s_stride_h + offs_d
+    # fp32 in between: the interpreter casts to bf16 by truncation (exact here either way)
+    x = tl.load(src_ptrs, mask=m, other=0.0).to(tl.float32)
+    dst_ptrs = dst + row[:, None, None] * d_stride_s + offs_h * d_stride_h + offs_d
+    tl.store(dst_ptrs, cast_for_store(x, dst.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _copy_kv_rows_kernel(
+    k_src, v_src, slots, k_dst, v_dst, rows, n,
+    ks_s, ks_h, vs_s, vs_h, kd_s, kd_h, vd_s, vd_h, slot_stride, row_stride,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = offs < n
+    slot = tl.load(slots + offs * slot_stride, mask=mask, other=0).to(tl.int64)
+    row = tl.load(rows + offs * row_stride, mask=mask, other=0).to(tl.int64)
+    _copy_rows(k_src, k_dst, slot, row, mask, ks_s, ks_h, kd_s, kd_h, H, D, BLOCK_H, BLOCK_D)
+    _copy_rows(v_src, v_dst, slot, row, mask, vs_s, vs_h, vd_s, vd_h, H, D, BLOCK_H, BLOCK_D)
+
+
+def launch_copy_kv_rows(
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    slots: torch.Tensor,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    """Launch over the rows; arguments are validated by the public wrapper."""
+    n = slots.numel()
+    if n == 0:
+        return
+    heads, dim = k_src.shape[1:]
+    _copy_kv_rows_kernel[(triton.cdiv(n, ROWS_PER_PROGRAM),)](
+        k_src, v_src, slots, k_dst, v_dst, rows, n,
+        k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
+        k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1),
+        slots.stride(0), rows.stride(0),
+        H=heads, D=dim, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+    )  # fmt: skip

@@ -75,11 +75,19 @@ def test_gpu_beam_search_matches_transformers(
     The bound is measured, not assumed: on these tiny models the BF16 torch path is already up to
     0.14 off fp32 after three steps (8-bit mantissa, rounded at every op), FP8 W8A8 + FP8 KV up
     to ~1.4. A GPU bug (a wrong kernel, a stale plan, a corrupted slot) shows as errors of whole
-    nats, far above twice that."""
+    nats, far above twice that.
+
+    The reference rounds where the path under test rounds: a fresh prefill attends over its
+    own unrounded K/V (an FP8 cache's rounding enters its beam steps only), and so does the CPU
+    engine's fresh prefill; the Triton and FlashInfer prefills read the rounded pool, as the
+    CPU backend's does."""
     path, hf, _ = checkpoint
     catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=n))
     prompt = "user history w1 w7 w3 item w9"
-    reference = _scored(_engine(path, catalog, "cpu", quantization), hf, prompt, n)
+    cpu_prefill = "fresh" if prefill_attention == "fresh" else "auto"
+    reference = _scored(
+        _engine(path, catalog, "cpu", quantization, prefill_attention=cpu_prefill), hf, prompt, n
+    )
     tol = 2 * max(abs(ours - exact) for _, ours, exact in reference) + SLACK
     engine = _engine(path, catalog, "cuda", quantization, beam_attention, prefill_attention)
     gpu = _scored(engine, hf, prompt, n)

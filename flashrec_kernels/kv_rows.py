@@ -7,6 +7,10 @@ the model's dtype and copies each prompt's cached context there from the pool. I
 a gather, a conversion and a scatter for each of K and V, six launches of a few hundred rows:
 launch-bound. Here it is one. From an FP8 cache the conversion is exact (bf16 and fp16 hold
 every e4m3 value).
+
+`count`, optional: a one-element int tensor on the device; only the first count[0] rows are
+copied. A CUDA graph's launch is sized for the most rows it may copy, and the real number
+changes from replay to replay without a host sync.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def check_kv_rows_args(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     rows: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Validate every argument of `copy_kv_rows`."""
     shape = k_src.shape[1:]
@@ -45,6 +50,10 @@ def check_kv_rows_args(
             )
     if slots.shape != rows.shape:
         raise ValueError(f"{_KERNEL}: {slots.numel()} slots but {rows.numel()} rows")
+    if count is not None and (count.numel() != 1 or count.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(
+            f"{_KERNEL}: count must be one int64/int32, got {count.dtype} {count.shape}"
+        )
 
 
 def copy_kv_rows_ref(
@@ -54,9 +63,13 @@ def copy_kv_rows_ref(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     rows: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference: gather, convert, scatter, for K and for V."""
-    check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows)
+    """Torch reference: gather, convert, scatter, for K and for V (reads `count` on the host:
+    not for CUDA graphs)."""
+    check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows, count)
+    if count is not None:
+        slots, rows = slots[: int(count)], rows[: int(count)]
     for src, dst in ((k_src, k_dst), (v_src, v_dst)):
         dst.index_copy_(0, rows.long(), src.index_select(0, slots.long()).to(dst.dtype))
 
@@ -68,10 +81,11 @@ def copy_kv_rows(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     rows: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Triton version of `copy_kv_rows_ref`: one launch for K and V, a few rows a program."""
-    check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows)
+    check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows, count)
     check_triton_device(k_src, _KERNEL)
     from .triton_kv_rows import launch_copy_kv_rows
 
-    launch_copy_kv_rows(k_src, v_src, slots, k_dst, v_dst, rows)
+    launch_copy_kv_rows(k_src, v_src, slots, k_dst, v_dst, rows, count)

@@ -32,13 +32,17 @@ def _copy_rows(src, dst, slot, row, mask, s_stride_s, s_stride_h, d_stride_s, d_
 
 @triton.jit
 def _copy_kv_rows_kernel(
-    k_src, v_src, slots, k_dst, v_dst, rows, n,
+    k_src, v_src, slots, k_dst, v_dst, rows, n, count,
     ks_s, ks_h, vs_s, vs_h, kd_s, kd_h, vd_s, vd_h, slot_stride, row_stride,
     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):  # fmt: skip
+    """Rows [0, n) of the launch, or only [0, count[0]) with a count (rows past it: no-ops)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = offs < n
+    if HAS_COUNT:
+        mask = offs < tl.minimum(tl.load(count).to(tl.int64), n)
+    else:
+        mask = offs < n
     slot = tl.load(slots + offs * slot_stride, mask=mask, other=0).to(tl.int64)
     row = tl.load(rows + offs * row_stride, mask=mask, other=0).to(tl.int64)
     _copy_rows(k_src, k_dst, slot, row, mask, ks_s, ks_h, kd_s, kd_h, H, D, BLOCK_H, BLOCK_D)
@@ -52,6 +56,7 @@ def launch_copy_kv_rows(
     k_dst: torch.Tensor,
     v_dst: torch.Tensor,
     rows: torch.Tensor,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Launch over the rows; arguments are validated by the public wrapper."""
     n = slots.numel()
@@ -59,10 +64,10 @@ def launch_copy_kv_rows(
         return
     heads, dim = k_src.shape[1:]
     _copy_kv_rows_kernel[(triton.cdiv(n, ROWS_PER_PROGRAM),)](
-        k_src, v_src, slots, k_dst, v_dst, rows, n,
+        k_src, v_src, slots, k_dst, v_dst, rows, n, slots if count is None else count,
         k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1),
         slots.stride(0), rows.stride(0),
         H=heads, D=dim, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(dim), HAS_COUNT=count is not None, num_warps=4,
     )  # fmt: skip

@@ -94,8 +94,11 @@ class FreshPrefillPlan:
     attention's plan (FlashInfer wrappers per layer group, or the torch reference's metadata)."""
 
     own_rows: torch.Tensor  # [T] int64
-    context_rows: torch.Tensor  # [C] int64 (graphs: padded to the capacity with the spare row)
+    context_rows: (
+        torch.Tensor
+    )  # [C] int64 (graphs: padded to the shape's tokens with the spare row)
     context_slots: torch.Tensor  # [C] int64 (graphs: padded with the pad slot)
+    context_count: torch.Tensor | None  # graphs with the Triton copy: [1], the real C
     buffers: tuple[torch.Tensor, torch.Tensor] | None  # K, V; None: attend over the layer's K/V
     per_group: tuple[Any, ...]  # planned FlashInfer wrappers, one per layer group (CUDA)
     torch_meta: Any  # TorchAttentionMetadata over the buffers' rows (off CUDA)
@@ -134,6 +137,7 @@ class FreshPrefillAttention(BackendWrapper):
         self.supports_prefill_graphs = device.type == "cuda"
         self.max_graph = max_graph
         self._graph_state: dict[str, torch.Tensor] | None = None
+        self._triton_copies = triton_copies
         self._copy_context = copy_kv_rows if triton_copies else copy_kv_rows_ref
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
@@ -190,24 +194,28 @@ class FreshPrefillAttention(BackendWrapper):
         if graph is not None:
             state = self._graph_buffers(graph)
             spare = state["k"].shape[0] - 1  # no sequence's keys: padded context goes there
-            room = state["context_rows"].numel()
-            if rows.numel() > graph.max_tokens:
+            room = graph.max_tokens  # this shape's room for context, as fits_prefill_graph says
+            if rows.numel() > room:
                 raise ValueError(
-                    f"{rows.numel()} context rows exceed the prefill graph's {graph.max_tokens} "
+                    f"{rows.numel()} context rows exceed the prefill graph's {room} "
                     "(check fits_prefill_graph before replaying)"
                 )
             state["own_rows"][: own.numel()].copy_(own, non_blocking=True)
-            state["context_rows"].copy_(_padded(rows, room, spare), non_blocking=True)
-            state["context_slots"].copy_(_padded(slots, room, KVPool.PAD_SLOT), non_blocking=True)
+            # The Triton copy stops at the count; the torch one copies the padding to the spare row.
+            state["context_rows"][:room].copy_(_padded(rows, room, spare), non_blocking=True)
+            padded_slots = _padded(slots, room, KVPool.PAD_SLOT)
+            state["context_slots"][:room].copy_(padded_slots, non_blocking=True)
+            state["context_count"].fill_(rows.numel())
             buffers = (state["k"], state["v"])
             own, rows, slots = (
                 state["own_rows"][: own.numel()],
-                state["context_rows"],
-                state["context_slots"],
+                state["context_rows"][:room],
+                state["context_slots"][:room],
             )
+            count = state["context_count"] if self._triton_copies else None
         else:
             own, rows, slots = (t.to(self.device, non_blocking=True) for t in (own, rows, slots))
-            buffers = None
+            buffers, count = None, None
             if layout.context_rows.size:
                 size = (layout.num_rows, *self.shape[1:])
                 buffers = (
@@ -219,11 +227,13 @@ class FreshPrefillAttention(BackendWrapper):
                 step.input_ids, step.positions, step.out_cache_loc, step.qo_indptr,
                 step.kv_indptr, torch.arange(layout.num_rows),
             )  # fmt: skip
-            return FreshPrefillPlan(own, rows, slots, buffers, (), self._torch.plan(rows_step))
+            return FreshPrefillPlan(
+                own, rows, slots, count, buffers, (), self._torch.plan(rows_step)
+            )
         wrappers = self._eager if graph is None else graph.per_group
         for spec, wrapper in zip(self.groups.specs, wrappers):
             self._plan_wrapper(wrapper, step.qo_indptr, step.kv_indptr, spec)
-        return FreshPrefillPlan(own, rows, slots, buffers, tuple(wrappers), None)
+        return FreshPrefillPlan(own, rows, slots, count, buffers, tuple(wrappers), None)
 
     def _plan_wrapper(
         self, wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, spec: AttentionSpec
@@ -270,7 +280,12 @@ class FreshPrefillAttention(BackendWrapper):
                 "k": torch.zeros(size, dtype=self.dtype, device=dev),
                 "v": torch.zeros(size, dtype=self.dtype, device=dev),
                 **graph_index_buffers(
-                    dev, torch.int64, own_rows=tokens, context_rows=tokens, context_slots=tokens
+                    dev,
+                    torch.int64,
+                    own_rows=tokens,
+                    context_rows=tokens,
+                    context_slots=tokens,
+                    context_count=1,
                 ),
                 **graph_index_buffers(dev, qo_indptr=sequences + 1, kv_indptr=sequences + 1),
             }
@@ -308,7 +323,7 @@ class FreshPrefillAttention(BackendWrapper):
             pool = batch.kv_pool
             self._copy_context(
                 pool.k_cache[layer_id], pool.v_cache[layer_id], plan.context_slots, keys, values,
-                plan.context_rows,
+                plan.context_rows, plan.context_count,
             )  # fmt: skip
         if plan.torch_meta is not None:
             return self._torch.attend(q, keys, values, layer_id, scale, plan.torch_meta)

@@ -15,6 +15,7 @@ from flashrec_core.attention import SharedPrefix, TorchAttentionBackend
 from flashrec_core.attention.fresh_prefill import (
     FreshLayout,
     FreshPrefillAttention,
+    FreshPrefillGraph,
     FreshPrefillPlan,
 )
 from flashrec_core.config import EngineConfig, SearchConfig
@@ -120,6 +121,43 @@ def test_long_context_prefills_and_beam_steps_go_to_the_wrapped_backend() -> Non
     beam = dataclasses.replace(step, shared_prefix=prompt)
     assert not isinstance(fresh.plan(beam), FreshPrefillPlan)
     assert fresh.prefills == {"wrapped": 1}, "beam steps are not prefills"
+
+
+@pytest.mark.parametrize("triton_copies", [False, True], ids=["torch-copy", "triton-copy"])
+def test_graph_plans_in_the_shared_buffers_give_the_eager_result(triton_copies: bool) -> None:
+    """A prefill graph's plans go into the buffers every shape shares, replayed here on the
+    CPU without capture: padded steps give the eager result for their real tokens. The second
+    plan has less context than the first: its context entries are padded to the shape's tokens
+    with the spare row, which the torch copy writes and the Triton copy (interpreted) skips,
+    stopping at the count (tests/kernels/test_copy_kv_rows.py); no stale entry overwrites the
+    second step's own rows."""
+    gen = torch.Generator().manual_seed(5)
+    pool = _pool(torch.bfloat16, gen)
+    fresh = FreshPrefillAttention(
+        TorchAttentionBackend(CPU), CPU, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        dtype=torch.float32, max_graph=(32, 5), triton_copies=triton_copies,
+    )  # fmt: skip
+    graph = FreshPrefillGraph(num_sequences=5, max_tokens=24, per_group=())
+    for new, cached in (((5, 4, 3), (0, 4, 5)), ((6, 2, 7), (4, 0, 0))):
+        step, _ = _step(new, cached, seed=sum(cached))
+        tokens = step.input_ids.numel()
+        q = torch.randn(tokens, HQ, D, generator=gen)
+        k, v = (torch.randn(tokens, HKV, D, generator=gen) for _ in range(2))
+        eager, _ = _attend(_fresh(TorchAttentionBackend(CPU)), step, pool, q, (k, v))
+        padded = pad_prefill(step, 24, 5)
+        pad = torch.zeros(24 - tokens, HKV, D)
+        q_padded = torch.cat([q, torch.zeros(24 - tokens, HQ, D)])
+        meta = fresh.plan(padded, graph=graph)
+        assert isinstance(meta, FreshPrefillPlan) and meta.buffers is not None
+        assert (meta.context_count is not None) == triton_copies
+        assert meta.context_rows.numel() == 24  # the shape's room, not the largest graph's
+        batch = ForwardBatch(
+            padded.input_ids, padded.positions, padded.out_cache_loc, pool, fresh, meta
+        )
+        got = fresh.forward(q_padded, 0, D**-0.5, batch, (torch.cat([k, pad]), torch.cat([v, pad])))
+        # the torch attention batches the padded step's sequences otherwise: fp32 summation
+        # order (4e-7 seen), where a wrong key row moves outputs by O(1)
+        torch.testing.assert_close(got[:tokens], eager, rtol=0, atol=1e-5)
 
 
 def test_a_prefill_graph_fits_as_many_context_rows_as_its_tokens() -> None:

@@ -46,6 +46,28 @@ def test_kernel_matches_ref(device: torch.device, case: str) -> None:
     assert (k[untouched.to(device)] == -5).all() and (v[untouched.to(device)] == -6).all()
 
 
+@pytest.mark.parametrize("copied", [0, 3, 9], ids=["none", "some", "all"])
+def test_count_limits_the_rows(device: torch.device, copied: int) -> None:
+    """With a device count, rows past it are left alone (a graph's launch sized for 9 rows,
+    replayed with fewer); the reference copies the same."""
+    k_src = _source(FP8_DTYPE, 20, 2, 32, seed=4).to(device)
+    v_src = _source(FP8_DTYPE, 20, 2, 32, seed=5).to(device)
+    slots = torch.arange(9, device=device) * 2
+    rows = torch.arange(9, device=device).flip(0)
+    count = torch.tensor([copied], device=device)
+    outs = []
+    for fn in (copy_kv_rows, copy_kv_rows_ref):
+        k_dst = torch.zeros(9, 2, 32, dtype=torch.bfloat16, device=device)
+        v_dst = torch.zeros(9, 2, 32, dtype=torch.bfloat16, device=device)
+        fn(k_src, v_src, slots, k_dst, v_dst, rows, count)
+        outs.append((k_dst, v_dst))
+    (k, v), (k_ref, v_ref) = outs
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    written = rows[:copied]
+    assert torch.equal(v[written], v_src[slots[:copied]].to(torch.bfloat16))
+    assert int((k.abs().sum(dim=(1, 2)) != 0).sum()) == copied  # random rows: none all zero
+
+
 def test_no_rows(device: torch.device) -> None:
     src = torch.zeros(4, 1, 16, device=device)
     dst = torch.full((2, 1, 16), 3.0, device=device)
@@ -60,5 +82,7 @@ def test_rejects_bad_arguments() -> None:
         copy_kv_rows_ref(src, src, idx, dst, dst[..., :8], idx)
     with pytest.raises(ValueError, match="rows must be int64/int32"):
         copy_kv_rows_ref(src, src, idx, dst, dst, idx.float())
+    with pytest.raises(ValueError, match="count must be one int64/int32"):
+        copy_kv_rows_ref(src, src, idx, dst, dst, idx, torch.tensor([1.0]))
     with pytest.raises(ValueError, match="2 slots but 3 rows"):
         copy_kv_rows(src, src, idx, dst, dst, torch.arange(3))

@@ -87,6 +87,30 @@ def _store_rows(
 
 
 @triton.jit
+def _store_kv(
+    k_dst, v_dst, idx_ptr, idx_stride, k_stride_s, k_stride_h, v_stride_s, v_stride_h, tok,
+    heads, mask_r, o1, o2, rest, v_rows, BLOCK_T: tl.constexpr, D: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Rotated k (o1, o2, rest, fp32) and the v rows at `v_rows` of each token into row
+    idx_ptr[tok] of k_dst / v_dst, cast to their dtype: the pool's slots, or the mirror's rows.
+    k is stored before v is loaded, which keeps fewer registers live."""
+    if BLOCK_T == 1:
+        idx = tl.load(idx_ptr + tok * idx_stride).to(tl.int64)
+    else:  # masked-out rows (past the last token) read index 0 and store nothing
+        idx = tl.load(idx_ptr + tok * idx_stride, mask=mask_r, other=0).to(tl.int64)
+    k_rows = k_dst + idx * k_stride_s + heads * k_stride_h
+    _store_rows(k_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_v = mask_r[:, None] & (offs_d < D)[None, :]
+    v = tl.load(v_rows[:, None] + offs_d[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    out_rows = v_dst + idx * v_stride_s + heads * v_stride_h
+    tl.store(
+        out_rows[:, None] + offs_d[None, :], cast_for_store(v, v_dst.dtype.element_ty), mask=mask_v
+    )
+
+
+@triton.jit
 def _rope_norm_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, qw_ptr, kw_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
@@ -150,29 +174,18 @@ def _rope_norm_store_kernel(
         o1 = cast_for_store(o1, k_dtype).to(tl.float32)
         o2 = cast_for_store(o2, k_dtype).to(tl.float32)
         rest = cast_for_store(rest, k_dtype).to(tl.float32)
-        if BLOCK_T == 1:
-            slot = tl.load(loc_ptr + tok * loc_stride).to(tl.int64)
-        else:
-            slot = tl.load(loc_ptr + tok * loc_stride, mask=mask_t, other=0).to(tl.int64)
-        kc_rows = k_cache_ptr + slot * kc_stride_s + kv_heads * kc_stride_h
-        _store_rows(kc_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_v = mask_r[:, None] & (offs_d < D)[None, :]
         v_rows = v_ptr + tok * v_stride_t + kv_heads * v_stride_h
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=mask_v, other=0.0).to(tl.float32)
-        vc_rows = v_cache_ptr + slot * vc_stride_s + kv_heads * vc_stride_h
-        v_out = cast_for_store(v, v_cache_ptr.dtype.element_ty)
-        tl.store(vc_rows[:, None] + offs_d[None, :], v_out, mask=mask_v)
+        _store_kv(
+            k_cache_ptr, v_cache_ptr, loc_ptr, loc_stride, kc_stride_s, kc_stride_h, vc_stride_s,
+            vc_stride_h, tok, kv_heads, mask_r, o1, o2, rest, v_rows, BLOCK_T, D, HALF, BLOCK_D,
+            BLOCK_H,
+        )  # fmt: skip
         if HAS_MIRROR:  # k as stored in place and v, in their own dtype: exact copies
-            if BLOCK_T == 1:
-                row = tl.load(mrow_ptr + tok * mrow_stride).to(tl.int64)
-            else:
-                row = tl.load(mrow_ptr + tok * mrow_stride, mask=mask_t, other=0).to(tl.int64)
-            mk_rows = mk_ptr + row * mk_stride_s + kv_heads * mk_stride_h
-            _store_rows(mk_rows, mask_r, o1, o2, rest, True, D, HALF, BLOCK_D, BLOCK_H)
-            mv_rows = mv_ptr + row * mv_stride_s + kv_heads * mv_stride_h
-            mv_out = cast_for_store(v, mv_ptr.dtype.element_ty)
-            tl.store(mv_rows[:, None] + offs_d[None, :], mv_out, mask=mask_v)
+            _store_kv(
+                mk_ptr, mv_ptr, mrow_ptr, mrow_stride, mk_stride_s, mk_stride_h, mv_stride_s,
+                mv_stride_h, tok, kv_heads, mask_r, o1, o2, rest, v_rows, BLOCK_T, D, HALF,
+                BLOCK_D, BLOCK_H,
+            )  # fmt: skip
 
 
 SMALL_LAUNCH_TOKENS = 4096

@@ -202,10 +202,10 @@ for what in "${@:-tests}"; do
       pytest_gpu "$out/kernel_tests.log" ${KERNEL_TESTS:-tests/kernels} ;;
     fresh)  # --prefill-attention fresh natively: prefill graphs replay == eager, chunked
       # prefills, beam scores against fp32 transformers (every architecture, BF16 and FP8), and
-      # the RoPE kernel's mirror (the own rows it writes into the fresh buffers) and the context copy
+      # the RoPE kernel (its mirror writes the own rows into the fresh buffers) and the context copy
       pytest_gpu "$out/fresh_tests.log" tests/gpu/test_cuda_graphs.py tests/gpu/test_gpu_engine.py \
         tests/kernels/test_rope_norm_store.py tests/kernels/test_copy_kv_rows.py \
-        -k "fresh or mirror or kv_rows" ;;
+        -k "fresh or mirror or kv_rows or rope_norm_store" ;;
     beamkernel)  # the Triton beam kernel natively against its reference (split-KV included)
       pytest_gpu "$out/beam_kernel_tests.log" tests/kernels/test_beam_attention.py ;;
     tests)  # the whole GPU tier: tests/gpu, every kernel natively, each plugin's GPU/fused tests

@@ -16,6 +16,7 @@ changes from replay to replay without a host sync.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .device import check_triton_device
 
@@ -25,14 +26,9 @@ _KERNEL = "copy_kv_rows"
 
 
 def check_kv_rows_args(
-    k_src: torch.Tensor,
-    v_src: torch.Tensor,
-    slots: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    rows: torch.Tensor,
-    count: torch.Tensor | None = None,
-) -> None:
+    k_src: Tensor, v_src: Tensor, slots: Tensor, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
+    count: Tensor | None = None,
+) -> None:  # fmt: skip
     """Validate every argument of `copy_kv_rows`."""
     shape = k_src.shape[1:]
     for name, t in (("k_src", k_src), ("v_src", v_src), ("k_dst", k_dst), ("v_dst", v_dst)):
@@ -57,14 +53,9 @@ def check_kv_rows_args(
 
 
 def copy_kv_rows_ref(
-    k_src: torch.Tensor,
-    v_src: torch.Tensor,
-    slots: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    rows: torch.Tensor,
-    count: torch.Tensor | None = None,
-) -> None:
+    k_src: Tensor, v_src: Tensor, slots: Tensor, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
+    count: Tensor | None = None,
+) -> None:  # fmt: skip
     """Torch reference: gather, convert, scatter, for K and for V (reads `count` on the host:
     not for CUDA graphs)."""
     check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows, count)
@@ -75,14 +66,9 @@ def copy_kv_rows_ref(
 
 
 def copy_kv_rows(
-    k_src: torch.Tensor,
-    v_src: torch.Tensor,
-    slots: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    rows: torch.Tensor,
-    count: torch.Tensor | None = None,
-) -> None:
+    k_src: Tensor, v_src: Tensor, slots: Tensor, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
+    count: Tensor | None = None,
+) -> None:  # fmt: skip
     """Triton version of `copy_kv_rows_ref`: one launch for K and V, a few rows a program."""
     check_kv_rows_args(k_src, v_src, slots, k_dst, v_dst, rows, count)
     check_triton_device(k_src, _KERNEL)

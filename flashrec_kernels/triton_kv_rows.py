@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .triton_fp8 import cast_for_store
 
@@ -50,14 +50,9 @@ def _copy_kv_rows_kernel(
 
 
 def launch_copy_kv_rows(
-    k_src: torch.Tensor,
-    v_src: torch.Tensor,
-    slots: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
-    rows: torch.Tensor,
-    count: torch.Tensor | None = None,
-) -> None:
+    k_src: Tensor, v_src: Tensor, slots: Tensor, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
+    count: Tensor | None = None,
+) -> None:  # fmt: skip
     """Launch over the rows; arguments are validated by the public wrapper."""
     n = slots.numel()
     if n == 0:

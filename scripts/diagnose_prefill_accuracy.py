@@ -1,13 +1,16 @@
-"""Does the Triton prefill score beams like FlashInfer's prefill? (GPU diagnosis of the GPU tier's
-beam-search parity test, tests/gpu/test_gpu_engine.py, with both prefill paths side by side.)
+"""Does the Triton prefill (or the fresh one) score beams like FlashInfer's prefill? (GPU
+diagnosis of the GPU tier's beam-search parity test, tests/gpu/test_gpu_engine.py, with the
+prefill paths side by side.)
 
 For every architecture, the test's tiny checkpoint, prompt and catalogs: the worst |engine
 log-prob - fp32 transformers log-prob| over the returned beams, per n, beam-step attention and
 prefill attention, next to the test's bound (twice the CPU torch path's worst error + 0.02), and
 after a slash the same bound measured like for like: the CPU torch path scoring exactly the GPU's
 beams (a catalog of those SIDs, searched at width n, returns every one of them). Over an FP8
-cache a last row runs the Triton beam kernel with its experimental FP8 score dot
-(`--fp8-attention-scores`).
+cache a row runs the Triton beam kernel with its experimental FP8 score dot
+(`--fp8-attention-scores`). A last row takes the experimental fresh prefill
+(`--prefill-attention fresh`: the prompt's own K/V unrounded), its like-for-like bound from the
+CPU engine's fresh prefill, which rounds where it does.
 Usage: python scripts/diagnose_prefill_accuracy.py [OUT_DIR] [--quantization fp8|none]
 """
 
@@ -66,6 +69,7 @@ def main() -> None:
         paths = [(b, p, False) for b in ("cascade", "triton") for p in ("backend", "triton")]
         if kv == "fp8_e4m3":
             paths.append(("triton", "triton", True))
+        paths.append(("triton", "fresh", False))
         for beam, prefill, fp8_scores in paths:
             cells = []
             for n in WIDTHS:
@@ -75,7 +79,9 @@ def main() -> None:
                 )  # fmt: skip
                 torch.cuda.empty_cache()
                 same = write_catalog(path / f"same{n}.json", sorted(errors))
-                alike = 2 * _worst(engine("cpu", n, catalogs={n: same}), hf, n)[0] + 0.02
+                cpu_prefill = "fresh" if prefill == "fresh" else "auto"
+                cpu = engine("cpu", n, catalogs={n: same}, prefill_attention=cpu_prefill)
+                alike = 2 * _worst(cpu, hf, n)[0] + 0.02
                 flag = ("!" if w >= bounds[WIDTHS.index(n)] else " ") + ("!" if w >= alike else " ")
                 cells.append(f"{w:.3f}{flag}/{alike:.3f}")
             label = f"beam {beam:7s} prefill {prefill:7s}" + (" fp8 scores" if fp8_scores else "")

@@ -94,9 +94,7 @@ class FreshPrefillPlan:
     attention's plan (FlashInfer wrappers per layer group, or the torch reference's metadata)."""
 
     own_rows: torch.Tensor  # [T] int64
-    context_rows: (
-        torch.Tensor
-    )  # [C] int64 (graphs: padded to the shape's tokens with the spare row)
+    context_rows: torch.Tensor  # [C] int64 (graphs: padded to the shape's tokens, spare row)
     context_slots: torch.Tensor  # [C] int64 (graphs: padded with the pad slot)
     context_count: torch.Tensor | None  # graphs with the Triton copy: [1], the real C
     buffers: tuple[torch.Tensor, torch.Tensor] | None  # K, V; None: attend over the layer's K/V
@@ -286,7 +284,7 @@ class FreshPrefillAttention(BackendWrapper):
                     context_rows=tokens,
                     context_slots=tokens,
                     context_count=1,
-                ),
+                ),  # fmt: skip
                 **graph_index_buffers(dev, qo_indptr=sequences + 1, kv_indptr=sequences + 1),
             }
         return self._graph_state

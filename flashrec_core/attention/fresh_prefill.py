@@ -284,7 +284,7 @@ class FreshPrefillAttention(BackendWrapper):
                     context_rows=tokens,
                     context_slots=tokens,
                     context_count=1,
-                ),  # fmt: skip
+                ),
                 **graph_index_buffers(dev, qo_indptr=sequences + 1, kv_indptr=sequences + 1),
             }
         return self._graph_state

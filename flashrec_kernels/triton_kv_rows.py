@@ -35,34 +35,40 @@ def _copy_kv_rows_kernel(
     k_src, v_src, slots, k_dst, v_dst, rows, n, count,
     ks_s, ks_h, vs_s, vs_h, kd_s, kd_h, vd_s, vd_h, slot_stride, row_stride,
     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_COUNT: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):  # fmt: skip
-    """Rows [0, n) of the launch, or only [0, count[0]) with a count (rows past it: no-ops)."""
+    """Rows [0, n) of the launch, or only [0, count[0]) with a count (rows past it: no-ops);
+    without slots, source row i for destination row rows[i]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_COUNT:
         mask = offs < tl.minimum(tl.load(count).to(tl.int64), n)
     else:
         mask = offs < n
-    slot = tl.load(slots + offs * slot_stride, mask=mask, other=0).to(tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(slots + offs * slot_stride, mask=mask, other=0).to(tl.int64)
+    else:
+        slot = offs
     row = tl.load(rows + offs * row_stride, mask=mask, other=0).to(tl.int64)
     _copy_rows(k_src, k_dst, slot, row, mask, ks_s, ks_h, kd_s, kd_h, H, D, BLOCK_H, BLOCK_D)
     _copy_rows(v_src, v_dst, slot, row, mask, vs_s, vs_h, vd_s, vd_h, H, D, BLOCK_H, BLOCK_D)
 
 
 def launch_copy_kv_rows(
-    k_src: Tensor, v_src: Tensor, slots: Tensor, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
+    k_src: Tensor, v_src: Tensor, slots: Tensor | None, k_dst: Tensor, v_dst: Tensor, rows: Tensor,
     count: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch over the rows; arguments are validated by the public wrapper."""
-    n = slots.numel()
+    n = rows.numel()
     if n == 0:
         return
     heads, dim = k_src.shape[1:]
+    slots_or_rows = rows if slots is None else slots  # never read without slots
     _copy_kv_rows_kernel[(triton.cdiv(n, ROWS_PER_PROGRAM),)](
-        k_src, v_src, slots, k_dst, v_dst, rows, n, slots if count is None else count,
+        k_src, v_src, slots_or_rows, k_dst, v_dst, rows, n, rows if count is None else count,
         k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1),
-        slots.stride(0), rows.stride(0),
+        slots_or_rows.stride(0), rows.stride(0),
         H=heads, D=dim, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(dim), HAS_COUNT=count is not None, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(dim), HAS_COUNT=count is not None,
+        HAS_SLOTS=slots is not None, num_warps=4,
     )  # fmt: skip

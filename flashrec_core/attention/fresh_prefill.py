@@ -123,8 +123,9 @@ class FreshPrefillAttention(BackendWrapper):
                  max_graph: tuple[int, int] = (0, 0), layers: Sequence[AttentionSpec] = (),
                  triton_copies: bool = False) -> None:  # fmt: skip
         """dtype: the model's (the layers' K/V); max_graph: (tokens, sequences) of the largest
-        prefill graph the engine captures; triton_copies: copy cached context with the one-launch
-        Triton kernel (`flashrec_kernels.copy_kv_rows`), else its torch reference."""
+        prefill graph the engine captures; triton_copies: copy cached context (and own rows the
+        RoPE kernel did not write) with the one-launch Triton kernel
+        (`flashrec_kernels.copy_kv_rows`), else its torch reference."""
         self.inner = inner
         self.name = f"{inner.name}+fresh-prefill"
         self.device = device
@@ -136,7 +137,7 @@ class FreshPrefillAttention(BackendWrapper):
         self.max_graph = max_graph
         self._graph_state: dict[str, torch.Tensor] | None = None
         self._triton_copies = triton_copies
-        self._copy_context = copy_kv_rows if triton_copies else copy_kv_rows_ref
+        self._copy = copy_kv_rows if triton_copies else copy_kv_rows_ref
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
         `inner`: more context than new tokens, or a graph without room for it); and "mirrored":
@@ -314,12 +315,11 @@ class FreshPrefillAttention(BackendWrapper):
             keys, values = k, v
         else:
             keys, values = plan.buffers
-            if layer_id not in plan.mirrored:
-                keys.index_copy_(0, plan.own_rows, k.to(keys.dtype))
-                values.index_copy_(0, plan.own_rows, v.to(values.dtype))
+            if layer_id not in plan.mirrored:  # token i's K/V to own_rows[i]
+                self._copy(k, v, None, keys, values, plan.own_rows)
             # exact: an FP8 cache holds plain casts, which bf16 / fp16 represent
             pool = batch.kv_pool
-            self._copy_context(
+            self._copy(
                 pool.k_cache[layer_id], pool.v_cache[layer_id], plan.context_slots, keys, values,
                 plan.context_rows, plan.context_count,
             )  # fmt: skip

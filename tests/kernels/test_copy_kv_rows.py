@@ -68,6 +68,28 @@ def test_count_limits_the_rows(device: torch.device, copied: int) -> None:
     assert int((k.abs().sum(dim=(1, 2)) != 0).sum()) == copied  # random rows: none all zero
 
 
+def test_without_slots_reads_strided_sources_in_order(device: torch.device) -> None:
+    """slots=None: source row i (k and v strided views of one qkv buffer, as a layer's are) to
+    destination row rows[i], in the destination's dtype; the reference does the same."""
+    qkv = (torch.randn(6, 4 * 32 + 8, generator=torch.Generator().manual_seed(7)) * 3).to(
+        torch.bfloat16
+    )
+    qkv = qkv.to(device)
+    k, v = qkv[:, 64:96].view(6, 1, 32), qkv[:, 96:128].view(6, 1, 32)
+    assert k.stride(0) == 4 * 32 + 8
+    rows = torch.tensor([3, 8, 0, 5, 1, 6], device=device)
+    outs = []
+    for fn in (copy_kv_rows, copy_kv_rows_ref):
+        k_dst = torch.full((9, 1, 32), -1.0, device=device)
+        v_dst = torch.full((9, 1, 32), -1.0, device=device)
+        fn(k, v, None, k_dst, v_dst, rows)
+        outs.append((k_dst, v_dst))
+    (k_dst, v_dst), ref = outs
+    assert torch.equal(k_dst, ref[0]) and torch.equal(v_dst, ref[1])
+    assert torch.equal(k_dst[rows], k.float()) and torch.equal(v_dst[rows], v.float())
+    assert (k_dst[[2, 4, 7]] == -1).all()
+
+
 def test_no_rows(device: torch.device) -> None:
     src = torch.zeros(4, 1, 16, device=device)
     dst = torch.full((2, 1, 16), 3.0, device=device)
@@ -84,5 +106,7 @@ def test_rejects_bad_arguments() -> None:
         copy_kv_rows_ref(src, src, idx, dst, dst, idx.float())
     with pytest.raises(ValueError, match="count must be one int64/int32"):
         copy_kv_rows_ref(src, src, idx, dst, dst, idx, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"4 rows but the sources have 3 and 3 \(slots=None"):
+        copy_kv_rows_ref(dst, dst, None, dst, dst, torch.arange(4))
     with pytest.raises(ValueError, match="2 slots but 3 rows"):
         copy_kv_rows(src, src, idx, dst, dst, torch.arange(3))

@@ -11,7 +11,7 @@ from .triton_fp8 import cast_for_store
 __all__ = ["launch_copy_kv_rows"]
 
 ROWS_PER_PROGRAM = 4
-"""Rows a program copies: 4 x 8 heads x 128 dims of K and of V (a Qwen3-1.7B layer) is 8 KB
+"""Rows a program copies: 4 x 8 heads x 128 dims of K and of V (the bench preset's layer) is 8 KB
 of loads in flight per program, and a prefill's few hundred context rows still fill the GPU."""
 
 

@@ -21,7 +21,8 @@ Which steps: prompt prefills (several queries per sequence, no shared prefix), w
 context rows are at most their new tokens. Copying a long context costs more than reading it in
 place, so a few tokens after a long cached prompt go to the wrapped backend (the Triton prefill
 kernel or the backend's own), as do beam steps. A prefill graph holds at most as many context
-rows as its token bucket (`fits_prefill_graph`); a step with more prefills eagerly.
+rows as its token bucket (`fits_prefill_graph`); a step with more replays the wrapped
+backend's graph of that shape, captured on first use.
 
 Off the GPU (tests, CPU serving) the same layout and copies feed the torch reference's attention
 (`TorchAttentionBackend.attend`), so CPU tests check everything but the FlashInfer call itself.
@@ -245,9 +246,17 @@ class FreshPrefillAttention(BackendWrapper):
             logits_soft_cap=spec.logit_softcap, window_left=-1 if window is None else window - 1,
         )  # fmt: skip
 
-    def prefill_graph_attention(self, num_sequences: int, max_tokens: int) -> FreshPrefillGraph:
+    def prefill_graph_attention(
+        self, num_sequences: int, max_tokens: int, wrapped: bool = False
+    ) -> Any:
         """Graph-mode wrappers for `num_sequences` sequences, sized by a plan of `max_tokens`
-        tokens and as many context rows (a graph-mode plan fixes the launch grid)."""
+        tokens and as many context rows (a graph-mode plan fixes the launch grid). wrapped: the
+        wrapped backend's graph state instead, for the steps that do not fit this path's
+        (`fits_prefill_graph`), which `plan` then hands to it."""
+        if wrapped:
+            if not getattr(self.inner, "supports_prefill_graphs", False):
+                raise ValueError(f"the {self.inner.name} attention backend cannot capture prefills")
+            return self.inner.prefill_graph_attention(num_sequences, max_tokens)
         state = self._graph_buffers(FreshPrefillGraph(num_sequences, max_tokens, ()))
         b = num_sequences
         per_group = tuple(

@@ -116,9 +116,11 @@ def mixed_prefill_shape(tokens: int, requests: int, max_tokens: int) -> tuple[in
 
 
 def fits_prefill_graph(backend: Any, padded: StepInput, tokens: int) -> bool:
-    """Whether the attention backend can replay `padded` in a prefill graph of `tokens` tokens
-    (`FreshPrefillAttention` has room for as many context rows as tokens); backends without
-    the check replay every step that pads to a shape."""
+    """Whether the attention backend's own prefill path can replay `padded` in a prefill graph
+    of `tokens` tokens (`FreshPrefillAttention` has room for as many context rows as tokens);
+    backends without the check replay every step that pads to a shape. A prefill graph of a
+    step that does not fit is the wrapped backend's (`PrefillGraphs`: a graph per shape and
+    path); a mixed step's prefills eagerly."""
     fits = getattr(backend, "fits_prefill_graph", None)
     return fits is None or bool(fits(padded, tokens))
 
@@ -164,13 +166,18 @@ def empty_prefill() -> StepInput:
     )  # fmt: skip
 
 
+GraphKey = tuple[int, int] | tuple[int, int, str]
+"""A prefill graph: (tokens, sequences), and "wrapped" for the wrapped backend's path of a
+backend that has two (`fits_prefill_graph`)."""
+
+
 @dataclass
 class PrefillGraphStats:
     replays: int = 0
     eager: int = 0  # prefills with no captured shape (too large, too many requests, failed)
     captures: int = 0
     capture_seconds: float = 0.0
-    failed: dict[tuple[int, int], str] = field(default_factory=dict)  # shape -> why
+    failed: dict[GraphKey, str] = field(default_factory=dict)  # shape (+ "wrapped") -> why
 
 
 @dataclass
@@ -188,7 +195,7 @@ class PrefillGraphs:
         self.runner = runner
         self.buckets = token_buckets(max_tokens)
         self.stats = PrefillGraphStats()
-        self._graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._graphs: dict[GraphKey, _PrefillGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         dev, most = runner.device, self.buckets[-1]
         with torch.inference_mode():
@@ -243,10 +250,12 @@ class PrefillGraphs:
     def _forward(self, step: StepInput, last: torch.Tensor, replay: bool) -> torch.Tensor | None:
         shape = prefill_shape(step.input_ids.numel(), step.qo_indptr.numel() - 1, self.buckets)
         graph = None
-        if shape is not None and shape not in self.stats.failed:
+        if shape is not None:
             padded = pad_prefill(step, *shape)
-            if fits_prefill_graph(self.runner.attn_backend, padded, shape[0]):
-                graph = self._graph(shape, padded)
+            wrapped = not fits_prefill_graph(self.runner.attn_backend, padded, shape[0])
+            key: GraphKey = (*shape, "wrapped") if wrapped else shape
+            if key not in self.stats.failed:
+                graph = self._graph(key, padded)
         if graph is None:
             self.stats.eager += 1
             return None
@@ -256,28 +265,30 @@ class PrefillGraphs:
             return graph.output[last]
         return graph.body()[last]
 
-    def _graph(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph | None:
-        """The graph of `shape` with `padded` loaded into its inputs and planned (captured on
-        first use); None if it cannot be captured (the reason is kept and logged once)."""
-        tokens, sequences = shape
+    def _graph(self, key: GraphKey, padded: StepInput) -> _PrefillGraph | None:
+        """The graph of `key` (a shape, and its path) with `padded` loaded into its inputs and
+        planned (captured on first use); None if it cannot be captured (the reason is kept and
+        logged once)."""
+        tokens, sequences = key[:2]
         with torch.inference_mode():
             self._ids[:tokens].copy_(padded.input_ids, non_blocking=True)
             self._pos[:tokens].copy_(padded.positions, non_blocking=True)
             self._loc[:tokens].copy_(padded.out_cache_loc, non_blocking=True)
-        graph = self._graphs.get(shape)
+        graph = self._graphs.get(key)
         if graph is not None:
             self.runner.attn_backend.plan(padded, graph=graph.attention)
             return graph
         try:
-            return self._capture(shape, padded)
+            return self._capture(key, padded)
         except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, buffer limits
-            why = f"capture of the {sequences} x {tokens}-token prefill failed: {exc}"
-            self.stats.failed[shape] = why
+            path = " (the wrapped backend's path)" if len(key) == 3 else ""
+            why = f"capture of the {sequences} x {tokens}-token prefill{path} failed: {exc}"
+            self.stats.failed[key] = why
             logger.warning("prefill runs eagerly: %s", why)
             return None
 
-    def _capture(self, shape: tuple[int, int], padded: StepInput) -> _PrefillGraph:
-        tokens, sequences = shape
+    def _capture(self, key: GraphKey, padded: StepInput) -> _PrefillGraph:
+        tokens, sequences = key[:2]
         start = time.perf_counter()
         # Wrappers per shape, sized by a plan of its own token count (a graph-mode plan fixes
         # the wrapper's grid at its first plan). FlashInfer splits the KV of graph-mode
@@ -285,7 +296,11 @@ class PrefillGraphs:
         # 1,024-token prompt whether the wrapper was sized for 1,024 or 8,192 tokens, and with
         # split-KV disabled the request took 5 ms longer, so split-KV stays on. The wrappers
         # share the backend's workspace and index buffers: a shape costs no device memory.
-        attention = self.runner.attn_backend.prefill_graph_attention(sequences, tokens)
+        backend = self.runner.attn_backend
+        if len(key) == 3:  # the wrapped backend's path of a backend with two
+            attention = backend.prefill_graph_attention(sequences, tokens, wrapped=True)
+        else:
+            attention = backend.prefill_graph_attention(sequences, tokens)
         metadata = self.runner.attn_backend.plan(padded, graph=attention)
 
         def body() -> torch.Tensor:
@@ -295,7 +310,7 @@ class PrefillGraphs:
 
         graph, output = record_graph(body, self._pool)
         captured = _PrefillGraph(graph, attention, output, body)
-        self._graphs[shape] = captured
+        self._graphs[key] = captured
         seconds = time.perf_counter() - start
         self.stats.captures += 1
         self.stats.capture_seconds += seconds

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+from flashrec_core.attention.fresh_prefill import FreshPrefillAttention
 from flashrec_core.config import EngineConfig, SearchConfig
 from flashrec_core.engine.beam_wave import PrefillProgress, prepare_beam_decode
 from flashrec_core.engine.engine import Engine
@@ -120,6 +121,37 @@ def test_prefill_replay_equals_the_eager_prefill_exactly(engine: Engine) -> None
     # before this test), then replayed
     assert shapes == {(256, 5), (128, 5)}
     assert prefill.stats.captures - captures <= len(shapes)
+
+
+def test_a_prefill_mostly_cached_replays_a_graph(engine: Engine) -> None:
+    """Prompts whose cached prefix outweighs their new tokens (a returning user's history
+    plus a few items): 19 new tokens after 120 cached replay a graph, equal to the same
+    forward run eagerly. The fresh prefill has room for as many context rows as the shape has
+    tokens, fewer than 120, so it replays the wrapped backend's graph of that shape (captured
+    on first use; before, such prefills ran eagerly)."""
+    prefill = engine.wave.prefill_graphs
+    assert prefill is not None
+    runner, gen = engine.runner, torch.Generator().manual_seed(9)
+    vocab = runner.config.vocab_size
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (37, 90, 12)]
+    slots = [runner.allocator.alloc(len(p)) for p in prompts]
+    try:
+        runner.forward(prepare_prefill(prompts, slots))
+        step = prepare_prefill(prompts, slots, [30, 80, 10])
+        last = (step.qo_indptr[1:] - 1).to(runner.device)
+        shape = prefill_shape(step.input_ids.numel(), len(prompts), prefill.buckets)
+        assert shape is not None and shape[0] < 120, "more context than the graph has rows for"
+        replays = prefill.stats.replays
+        replayed = prefill.run(step, last)
+        assert replayed is not None and prefill.stats.replays == replays + 1
+        assert torch.equal(replayed, prefill.run_uncaptured(step, last))
+        unpadded = runner.forward(step)[last]  # GEMMs of another row count: bf16 rounding
+        assert (replayed.float() - unpadded.float()).abs().max() < 0.05 * unpadded.abs().max()
+        if isinstance(runner.attn_backend, FreshPrefillAttention):
+            assert (*shape, "wrapped") in prefill._graphs
+    finally:
+        for s in slots:
+            runner.allocator.free(s)
 
 
 def test_a_chunked_prefill_replays_graphs_and_matches_one_forward(engine: Engine) -> None:

@@ -141,7 +141,8 @@ class FreshPrefillAttention(BackendWrapper):
         self._copy = copy_kv_rows if triton_copies else copy_kv_rows_ref
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
-        `inner`: more context than new tokens, or a graph without room for it); and "mirrored":
+        `inner`, eagerly or in its graph: more context than new tokens, or than a fresh graph
+        has rows for); and "mirrored":
         plans with context whose own rows the fused RoPE kernel wrote (`claim_kv_mirror`)."""
         if device.type == "cuda":
             import flashinfer
@@ -169,13 +170,15 @@ class FreshPrefillAttention(BackendWrapper):
 
     def plan(self, step: StepInput, graph: Any = None) -> Any:
         """Prefill steps worth it (see the module docstring) plan here, into `graph`'s buffers
-        when given; every other step plans in the wrapped backend."""
+        when given; every other step plans in the wrapped backend (a prefill with more context
+        than a fresh graph has rows for, into the wrapped backend's graph of its shape)."""
         if isinstance(graph, FreshPrefillGraph):
             return self._plan(step, FreshLayout.of(step), graph)
-        if graph is None and step.is_prompt_prefill():
-            layout = FreshLayout.of(step)
-            if layout.context_rows.size <= layout.own_rows.size:
-                return self._plan(step, layout, None)
+        if step.is_prompt_prefill():
+            if graph is None:
+                layout = FreshLayout.of(step)
+                if layout.context_rows.size <= layout.own_rows.size:
+                    return self._plan(step, layout, None)
             self.prefills["wrapped"] += 1
         return self.inner.plan(step) if graph is None else self.inner.plan(step, graph)
 
@@ -254,7 +257,7 @@ class FreshPrefillAttention(BackendWrapper):
         wrapped backend's graph state instead, for the steps that do not fit this path's
         (`fits_prefill_graph`), which `plan` then hands to it."""
         if wrapped:
-            if not getattr(self.inner, "supports_prefill_graphs", False):
+            if not hasattr(self.inner, "prefill_graph_attention"):
                 raise ValueError(f"the {self.inner.name} attention backend cannot capture prefills")
             return self.inner.prefill_graph_attention(num_sequences, max_tokens)
         state = self._graph_buffers(FreshPrefillGraph(num_sequences, max_tokens, ()))

@@ -160,6 +160,40 @@ def test_graph_plans_in_the_shared_buffers_give_the_eager_result(triton_copies: 
         torch.testing.assert_close(got[:tokens], eager, rtol=0, atol=1e-5)
 
 
+def test_a_long_context_prefill_plans_in_the_wrapped_backends_graph() -> None:
+    """A prefill with more context than a fresh graph has rows for replays the wrapped
+    backend's graph of its shape (`PrefillGraphs` keys it by shape and path): the graph state is
+    the Triton prefill wrapper's (interpreted), the plan is its plan, the result its eager one;
+    counted as wrapped. A wrapped backend without prefill graphs refuses, so the capture fails
+    with a reason and the step runs eagerly."""
+    pytest.importorskip("triton")
+    from flashrec_core.attention.triton_prefill import PrefillKernelPlan, TritonPrefillAttention
+
+    gen = torch.Generator().manual_seed(3)
+    pool = _pool(torch.bfloat16, gen)
+    triton = TritonPrefillAttention(
+        TorchAttentionBackend(CPU), CPU, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+        max_context=64, max_graph=(32, 5),
+    )  # fmt: skip
+    fresh = _fresh(triton, max_graph=(32, 5))
+    step, _ = _step(new=(3, 2, 1), cached=(0, 4, 9))  # 13 context rows, 6 new tokens
+    padded = pad_prefill(step, 8, 5)
+    assert not fresh.fits_prefill_graph(padded, 8)
+    graph = fresh.prefill_graph_attention(5, 8, wrapped=True)
+    meta = fresh.plan(padded, graph=graph)
+    assert isinstance(meta, PrefillKernelPlan) and fresh.prefills == {"wrapped": 1}
+    tokens = step.input_ids.numel()
+    q = torch.randn(tokens, HQ, D, generator=gen).to(torch.bfloat16)
+    q_padded = torch.cat([q, torch.zeros(8 - tokens, HQ, D, dtype=q.dtype)])
+    batch = ForwardBatch(padded.input_ids, padded.positions, padded.out_cache_loc, pool, fresh, meta)  # fmt: skip
+    got = fresh.forward(q_padded, 0, D**-0.5, batch)
+    eager_meta = triton.plan(step)
+    eager_batch = ForwardBatch(step.input_ids, step.positions, step.out_cache_loc, pool, triton, eager_meta)  # fmt: skip
+    assert torch.equal(got[:tokens], triton.forward(q, 0, D**-0.5, eager_batch))
+    with pytest.raises(ValueError, match="the torch attention backend cannot capture prefills"):
+        _fresh(TorchAttentionBackend(CPU)).prefill_graph_attention(5, 8, wrapped=True)
+
+
 def test_a_prefill_graph_fits_as_many_context_rows_as_its_tokens() -> None:
     fresh = _fresh(TorchAttentionBackend(CPU), max_graph=(64, 5))
     step, _ = _step(new=(3, 2, 1), cached=(0, 4, 9))  # 13 context rows

@@ -9,9 +9,10 @@ ragged prefill, FA3 on sm90. On an H100, eight 960-token prompts after a 64-toke
 
 Layout: sequence b's keys are rows kv_indptr[b] .. kv_indptr[b + 1] of two buffers [N, Hkv, D]
 in the model's dtype, in the order of its slots: first its cached context (a prefix-cache hit,
-an earlier chunk of the prompt), copied from the pool and converted, then its own new tokens,
-copied from the layer's K/V. A step without context attends over the layer's K/V directly
-(strided views of the qkv projection), with no copy at all.
+an earlier chunk of the prompt), copied from the pool and converted (`copy_kv_rows`, one
+launch), then its own new tokens: written by the fused RoPE kernel as it stores them
+(`claim_kv_mirror`), else copied from the layer's K/V here. A step without context attends over
+the layer's K/V directly (strided views of the qkv projection), with no copy at all.
 
 Numerics: a prompt's own keys and values enter its attention unrounded, as in transformers;
 its context enters as the cache holds it, and beam steps read the cache as before. With a bf16

@@ -143,8 +143,8 @@ class FreshPrefillAttention(BackendWrapper):
         self.prefills: Counter[str] = Counter()
         """Prefill plans by path: "fresh" (own keys only), "with context", "wrapped" (left to
         `inner`, eagerly or in its graph: more context than new tokens, or than a fresh graph
-        has rows for); and "mirrored":
-        plans with context whose own rows the fused RoPE kernel wrote (`claim_kv_mirror`)."""
+        has rows for); and "mirrored": plans with context whose own rows the fused RoPE kernel
+        wrote (`claim_kv_mirror`)."""
         if device.type == "cuda":
             import flashinfer
 

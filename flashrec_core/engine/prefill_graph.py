@@ -166,8 +166,8 @@ def empty_prefill() -> StepInput:
     )  # fmt: skip
 
 
-GraphKey = tuple[int, int] | tuple[int, int, str]
-"""A prefill graph: (tokens, sequences), and "wrapped" for the wrapped backend's path of a
+GraphKey = tuple[int, int, bool]
+"""A prefill graph: (tokens, sequences, wrapped), wrapped for the wrapped backend's path of a
 backend that has two (`fits_prefill_graph`)."""
 
 
@@ -177,7 +177,7 @@ class PrefillGraphStats:
     eager: int = 0  # prefills with no captured shape (too large, too many requests, failed)
     captures: int = 0
     capture_seconds: float = 0.0
-    failed: dict[GraphKey, str] = field(default_factory=dict)  # shape (+ "wrapped") -> why
+    failed: dict[GraphKey, str] = field(default_factory=dict)  # graph -> why
 
 
 @dataclass
@@ -239,11 +239,10 @@ class PrefillGraphs:
     def capture_all(self, progress: bool = True) -> int:
         """Capture every shape not captured yet, largest first (the server's warm-up), over pad
         sequences only; returns how many were captured."""
-        todo = [s for s in self.shapes() if s not in self._graphs and s not in self.stats.failed]
-        for tokens, sequences in tqdm(
-            todo, desc="prefill graphs", unit="graph", disable=not progress
-        ):
-            self._graph((tokens, sequences), pad_prefill(empty_prefill(), tokens, sequences))
+        keys = [(t, b, False) for t, b in self.shapes()]
+        todo = [k for k in keys if k not in self._graphs and k not in self.stats.failed]
+        for key in tqdm(todo, desc="prefill graphs", unit="graph", disable=not progress):
+            self._graph(key, pad_prefill(empty_prefill(), *key[:2]))
         return len(todo)
 
     @torch.inference_mode()  # the graph buffers (also the decode graphs') are inference tensors
@@ -253,7 +252,7 @@ class PrefillGraphs:
         if shape is not None:
             padded = pad_prefill(step, *shape)
             wrapped = not fits_prefill_graph(self.runner.attn_backend, padded, shape[0])
-            key: GraphKey = (*shape, "wrapped") if wrapped else shape
+            key = (*shape, wrapped)
             if key not in self.stats.failed:
                 graph = self._graph(key, padded)
         if graph is None:
@@ -269,7 +268,7 @@ class PrefillGraphs:
         """The graph of `key` (a shape, and its path) with `padded` loaded into its inputs and
         planned (captured on first use); None if it cannot be captured (the reason is kept and
         logged once)."""
-        tokens, sequences = key[:2]
+        tokens, sequences, wrapped = key
         with torch.inference_mode():
             self._ids[:tokens].copy_(padded.input_ids, non_blocking=True)
             self._pos[:tokens].copy_(padded.positions, non_blocking=True)
@@ -281,14 +280,14 @@ class PrefillGraphs:
         try:
             return self._capture(key, padded)
         except (RuntimeError, ValueError) as exc:  # CUDA OOM / capture errors, buffer limits
-            path = " (the wrapped backend's path)" if len(key) == 3 else ""
+            path = " (the wrapped backend's path)" if wrapped else ""
             why = f"capture of the {sequences} x {tokens}-token prefill{path} failed: {exc}"
             self.stats.failed[key] = why
             logger.warning("prefill runs eagerly: %s", why)
             return None
 
     def _capture(self, key: GraphKey, padded: StepInput) -> _PrefillGraph:
-        tokens, sequences = key[:2]
+        tokens, sequences, wrapped = key
         start = time.perf_counter()
         # Wrappers per shape, sized by a plan of its own token count (a graph-mode plan fixes
         # the wrapper's grid at its first plan). FlashInfer splits the KV of graph-mode
@@ -297,7 +296,7 @@ class PrefillGraphs:
         # split-KV disabled the request took 5 ms longer, so split-KV stays on. The wrappers
         # share the backend's workspace and index buffers: a shape costs no device memory.
         backend = self.runner.attn_backend
-        if len(key) == 3:  # the wrapped backend's path of a backend with two
+        if wrapped:  # the wrapped backend's path of a backend with two
             attention = backend.prefill_graph_attention(sequences, tokens, wrapped=True)
         else:
             attention = backend.prefill_graph_attention(sequences, tokens)

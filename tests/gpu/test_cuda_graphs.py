@@ -125,22 +125,23 @@ def test_prefill_replay_equals_the_eager_prefill_exactly(engine: Engine) -> None
 
 def test_a_prefill_mostly_cached_replays_a_graph(engine: Engine) -> None:
     """Prompts whose cached prefix outweighs their new tokens (a returning user's history
-    plus a few items): 19 new tokens after 120 cached replay a graph, equal to the same
+    plus a few items): 19 new tokens after 320 cached replay a graph, equal to the same
     forward run eagerly. The fresh prefill has room for as many context rows as the shape has
-    tokens, fewer than 120, so it replays the wrapped backend's graph of that shape (captured
-    on first use; before, such prefills ran eagerly)."""
+    tokens (128, the smallest bucket), fewer than 320, so it replays the wrapped backend's
+    graph of that shape (captured on first use; before, such prefills ran eagerly)."""
     prefill = engine.wave.prefill_graphs
     assert prefill is not None
     runner, gen = engine.runner, torch.Generator().manual_seed(9)
     vocab = runner.config.vocab_size
-    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (37, 90, 12)]
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (137, 190, 12)]
     slots = [runner.allocator.alloc(len(p)) for p in prompts]
+    cached = [130, 180, 10]
     try:
         runner.forward(prepare_prefill(prompts, slots))
-        step = prepare_prefill(prompts, slots, [30, 80, 10])
+        step = prepare_prefill(prompts, slots, cached)
         last = (step.qo_indptr[1:] - 1).to(runner.device)
         shape = prefill_shape(step.input_ids.numel(), len(prompts), prefill.buckets)
-        assert shape is not None and shape[0] < 120, "more context than the graph has rows for"
+        assert shape is not None and shape[0] < sum(cached), "the context must not fit the shape"
         replays = prefill.stats.replays
         replayed = prefill.run(step, last)
         assert replayed is not None and prefill.stats.replays == replays + 1

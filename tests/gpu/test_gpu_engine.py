@@ -80,20 +80,31 @@ def test_gpu_beam_search_matches_transformers(
     The reference rounds where the path under test rounds: a fresh prefill attends over its
     own unrounded K/V (an FP8 cache's rounding enters its beam steps only), and so does the CPU
     engine's fresh prefill; the Triton and FlashInfer prefills read the rounded pool, as the
-    CPU backend's does."""
+    CPU backend's does.
+
+    It is measured like for like: the reference scores exactly the GPU's beams (a
+    catalog of those SIDs, searched at width n, returns every one of them). Under FP8 one beam's
+    error moves by tenths of a nat from beam to beam, so the worst error over the reference's
+    own beams (another set where rankings differ) says little about these: on an H100 the fresh
+    prefill's Llama n=4 beam erred 0.72 against 0.21 over the reference's own beams, and 0.54
+    for the reference on the same beams (scripts/diagnose_prefill_accuracy.py, session 39)."""
     path, hf, _ = checkpoint
     catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=n))
     prompt = "user history w1 w7 w3 item w9"
-    cpu_prefill = "fresh" if prefill_attention == "fresh" else "auto"
-    reference = _scored(
-        _engine(path, catalog, "cpu", quantization, prefill_attention=cpu_prefill), hf, prompt, n
-    )
-    tol = 2 * max(abs(ours - exact) for _, ours, exact in reference) + SLACK
     engine = _engine(path, catalog, "cuda", quantization, beam_attention, prefill_attention)
     gpu = _scored(engine, hf, prompt, n)
+    engine_codes = {codes for codes, _, _ in gpu}
+    cpu_prefill = "fresh" if prefill_attention == "fresh" else "auto"
+    cpu = partial(_engine, path, device="cpu", quantization=quantization,
+                  prefill_attention=cpu_prefill)  # fmt: skip
+    same = write_catalog(tmp_path / "same.json", sorted(engine_codes))
+    alike = _scored(cpu(same), hf, prompt, n)
+    assert {codes for codes, _, _ in alike} == engine_codes
+    tol = 2 * max(abs(ours - exact) for _, ours, exact in alike) + SLACK
     for codes, ours, exact in gpu:
         assert abs(ours - exact) < tol, f"{codes}: {ours:.4f} vs fp32 {exact:.4f} (tol {tol:.3f})"
-    engine_codes = {codes for codes, _, _ in gpu}
+    # how good the beams of a search at this precision get: the reference's own
+    reference = _scored(cpu(catalog), hf, prompt, n)
     prompt_ids = engine.make_request(prompt=prompt, n=n).prompt_ids
     theirs = hf_beam_search(hf, prompt_ids, n, engine.layout, engine.catalog.codes)
     theirs_mean = sum(lp for _, lp in theirs) / len(theirs)

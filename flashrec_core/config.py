@@ -220,9 +220,12 @@ def _check_fp8_attention_scores(cfg: EngineConfig) -> None:
 
 
 def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, str]:
-    """("triton" | "backend", why). "auto" takes the Triton prefill kernel wherever the beam
-    kernel's conditions hold (both take bf16 queries over the pool and the same head dims): on
-    an H100 it halved a 1,024-token prompt's attention (docs/benchmarks.md, session 20)."""
+    """("fresh" | "triton" | "backend", why). "auto" takes the Triton prefill kernel wherever the
+    beam kernel's conditions hold (both take bf16 queries over the pool and the same head dims):
+    on an H100 it halved a 1,024-token prompt's attention (docs/benchmarks.md, session 20). On
+    sm90 with FlashInfer it takes the fresh prefill over it (FA3 over the prompt's own K/V, the
+    Triton kernel for the steps fresh leaves): on an H100 `Engine.generate` gained 2.6% at n=50,
+    1.5% at n=512 and 1.1% at n=1024 (sessions 38-39), and every GPU test of the path passed."""
     if cfg.prefill_attention == "triton" and not cfg.triton_kernels:
         raise ValueError(
             f"--prefill-attention triton needs Triton kernels here: {cfg.triton_reason}"
@@ -235,12 +238,31 @@ def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, s
     if cfg.prefill_attention != "auto":
         return cfg.prefill_attention, "asked for"
     why_not = _attention_kernel_unfit(cfg, head_dim)
-    return ("backend", f"auto: {why_not}") if why_not else ("triton", "auto")
+    if why_not:
+        return "backend", f"auto: {why_not}"
+    if _fresh_prefill_measured(cfg, head_dim):
+        return "fresh", "auto: FlashInfer's FA3 over the prompts' own K/V on sm90"
+    return "triton", "auto"
+
+
+def _fresh_prefill_measured(cfg: EngineConfig, head_dim: int) -> bool:
+    """Where the fresh prefill was measured faster: FlashInfer's FA3 ragged kernel (sm90), for a
+    head dim it is built for. Elsewhere (FA2 on sm80, no FA3 on sm100) it is unmeasured."""
+    if cfg.attention_backend != "flashinfer" or cuda_capability() != 9:
+        return False
+    from flashrec_core.attention.fresh_prefill import HEAD_DIMS
+
+    return head_dim in HEAD_DIMS
+
+
+def cuda_capability() -> int:
+    """The CUDA device's compute capability major (9 on Hopper), 0 without one."""
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
 
 
 def fresh_prefill_fallback(cfg: EngineConfig, head_dim: int) -> str:
     """Where "fresh" prefills send the steps it leaves (long context, one query per sequence):
-    "triton" where "auto" would take the Triton prefill kernel, else "backend"."""
+    "triton" where the Triton prefill kernel applies, else "backend"."""
     return "backend" if _attention_kernel_unfit(cfg, head_dim) else "triton"
 
 

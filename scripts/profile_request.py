@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--widths", default="50,512")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--prefill-attention", choices=["auto", "backend", "triton"], default="auto",
+        "--prefill-attention", choices=["auto", "backend", "triton", "fresh"], default="auto",
         help="EngineConfig field",
     )  # fmt: skip
     ap.add_argument("--tag", default="", help="suffix of the output files' names")

@@ -212,16 +212,30 @@ def test_triton_prefills_need_triton_here(tmp_path: Path) -> None:
         ({"triton_kernels": False, "triton_reason": "no triton"}, 128, "bfloat16", "backend",
          "no triton"),
         ({"prefill_attention": "backend"}, 128, "bfloat16", "backend", "asked for"),
+        # the fresh prefill: FlashInfer's FA3 on sm90, for the head dims it is built for
+        ({"attention_backend": "flashinfer", "sm": 9}, 128, "fp8_e4m3", "fresh", "FA3"),
+        ({"attention_backend": "flashinfer", "sm": 9}, 256, "bfloat16", "fresh", "FA3"),
+        ({"attention_backend": "flashinfer", "sm": 9}, 32, "bfloat16", "triton", "auto"),
+        ({"attention_backend": "flashinfer", "sm": 8}, 128, "fp8_e4m3", "triton", "auto"),
+        ({"attention_backend": "flashinfer", "sm": 10}, 128, "fp8_e4m3", "triton", "auto"),
+        ({"attention_backend": "torch", "sm": 9}, 128, "fp8_e4m3", "triton", "auto"),
+        ({"attention_backend": "flashinfer", "sm": 9, "dtype": "float16"}, 128, "float16",
+         "backend", "bf16 queries"),
+        ({"attention_backend": "flashinfer", "sm": 9, "prefill_attention": "triton"}, 128,
+         "bfloat16", "triton", "asked for"),
     ],
 )  # fmt: skip
 def test_auto_prefill_attention_takes_the_kernel_where_it_applies(
-    overrides: dict, head_dim: int, kv: str, expected: str, why: str
-) -> None:
-    from flashrec_core.config import _resolve_prefill_attention
+    overrides: dict, head_dim: int, kv: str, expected: str, why: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from flashrec_core import config
 
     settings = {"model_path": "<none>", "device": "cuda", "dtype": "bfloat16",
                 "kv_cache_dtype": kv, "triton_kernels": True, **overrides}  # fmt: skip
-    choice, reason = _resolve_prefill_attention(EngineConfig(**settings), head_dim)
+    sm = settings.pop("sm", 9)  # the GPU's compute capability major, 9 = Hopper
+    monkeypatch.setattr(config, "cuda_capability", lambda: sm)
+    choice, reason = config._resolve_prefill_attention(EngineConfig(**settings), head_dim)
     assert (choice, why in reason) == (expected, True), reason
 
 

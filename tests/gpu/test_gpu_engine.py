@@ -59,7 +59,7 @@ def _scored(engine: Engine, hf, prompt: str, n: int) -> list[tuple[tuple[int, ..
 
 @pytest.mark.parametrize(
     ("beam_attention", "prefill_attention"),
-    [("triton", "auto"), ("cascade", "auto"), ("triton", "fresh")],
+    [("triton", "triton"), ("cascade", "triton"), ("triton", "fresh")],
     ids=["triton", "cascade", "fresh-prefill"],
 )
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
@@ -94,7 +94,7 @@ def test_gpu_beam_search_matches_transformers(
     engine = _engine(path, catalog, "cuda", quantization, beam_attention, prefill_attention)
     gpu = _scored(engine, hf, prompt, n)
     engine_codes = {codes for codes, _, _ in gpu}
-    cpu_prefill = "fresh" if prefill_attention == "fresh" else "auto"
+    cpu_prefill = "fresh" if prefill_attention == "fresh" else "backend"
     cpu = partial(_engine, path, device="cpu", quantization=quantization,
                   prefill_attention=cpu_prefill)  # fmt: skip
     same = write_catalog(tmp_path / "same.json", sorted(engine_codes))
@@ -123,8 +123,9 @@ def test_gpu_engine_uses_fused_paths_and_flashinfer(checkpoint) -> None:
     )
     engine = Engine.from_config(cfg, SearchConfig())
     # auto: beam steps through the Triton beam kernel, prefills through the Triton prefill
-    # kernel, everything else through FlashInfer
-    assert engine.runner.attn_backend.name == "flashinfer+triton-beam+triton-prefill"
+    # kernel (on sm90 wrapped by the fresh prefill's FA3), everything else through FlashInfer
+    fresh = "+fresh-prefill" if torch.cuda.get_device_capability()[0] == 9 else ""
+    assert engine.runner.attn_backend.name == f"flashinfer+triton-beam+triton-prefill{fresh}"
     assert set(engine.runner.loaded.context.fused) == {c.name for c in spec.capabilities}
     assert engine.runner.kv_pool.dtype == torch.float8_e4m3fn
     [res] = engine.generate([engine.make_request(prompt="w1 w2", n=8)])

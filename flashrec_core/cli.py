@@ -187,8 +187,9 @@ def add_beam_attention_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-attention", choices=["auto", "backend", "triton", "fresh"], default="auto",
         help="prompt prefills' attention: the Triton prefill kernel or the attention backend's "
-        "over the cache, or 'fresh' (experimental): over the prompt's own new K/V in the model's "
-        "dtype through FlashInfer's ragged prefill (auto: Triton where it applies)",
+        "over the cache, or 'fresh': over the prompt's own new K/V in the model's dtype through "
+        "FlashInfer's ragged prefill (auto: fresh on sm90 with FlashInfer, else Triton where it "
+        "applies)",
     )  # fmt: skip
 
 

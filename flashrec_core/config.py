@@ -53,10 +53,11 @@ class EngineConfig(BaseModel):
     the paged pool, GQA packed into its query tiles); "backend" = the attention backend's own
     prefill (FlashInfer's, or the torch reference). "auto" picks "triton" where the beam kernel
     applies (the same conditions: CUDA, a bf16 model, a bf16/FP8 KV cache, a power-of-two
-    head_dim <= 256). "fresh" (experimental): over the prompt's own new keys and values in the
-    model's dtype, and its cached context copied from the pool, through FlashInfer's ragged
-    prefill (FA3 on sm90; the torch reference off CUDA); prefills with more context than new
-    tokens take "auto"'s path (attention/fresh_prefill.py)."""
+    head_dim <= 256), and "fresh" where also FlashInfer runs on sm90 with a head dim of 64, 128
+    or 256. "fresh": over the prompt's own new keys and values in the model's dtype, and its
+    cached context copied from the pool, through FlashInfer's ragged prefill (FA3 on sm90; the
+    torch reference off CUDA); prefills with more context than new tokens take the Triton
+    kernel's path, or the backend's where it does not apply (attention/fresh_prefill.py)."""
     cuda_graphs: bool = True
     """Replay each beam decode step (forward, restricted head, trie mask, top-k, expansion) as one
     CUDA graph; needs CUDA and a beam-step attention path that captures (FlashInfer, or the Triton

@@ -1,4 +1,5 @@
-"""Prompt prefills over the keys and values they just computed (`--prefill-attention fresh`).
+"""Prompt prefills over the keys and values they just computed (`--prefill-attention fresh`,
+`auto`'s choice on sm90 with FlashInfer).
 
 Why: the paged prefill reads a prompt's own keys back from the cache, FP8 there. On sm90 that
 leaves FlashInfer 0.6.13 its FA2 kernel (its FA3 path takes an FP8 cache only with FP8

@@ -241,6 +241,8 @@ def test_load_generator_splits_over_client_processes(server: ServerProcess) -> N
     for run in (sat, rate):
         assert run["throughput_rps"] == pytest.approx(12 / run["seconds"])
         assert 0 < run["latency_p50_ms"] <= run["latency_p99_ms"] <= 1e3 * run["seconds"]
+        # the client's parse of each answer is inside its latency
+        assert 0 < run["client_parse_mean_ms"] < run["latency_max_ms"], run
 
 
 def test_bench_server_command_reports_each_phase(
@@ -268,7 +270,9 @@ def test_bench_server_command_reports_each_phase(
     assert "(6 arrivals over " in phases[2]
     # 6 requests are 2 rounds of 3 in flight: mostly ramp-up and drain, and said so
     assert "(NOT a steady state: 6 requests, under 3x the concurrency)" in phases[1]
+    assert "; the client's JSON parse " in phases[0]
     result = json.loads(out.read_text())
+    assert 0 < result["client_parse_mean_ms"] < result["single_request_p50_ms"]
     assert result["saturation"]["steady_state"] is False
     assert result["saturation"]["sent"] == 6 and result["saturation"]["errors"] == 0
     assert result["saturation"]["client_processes"] == 2

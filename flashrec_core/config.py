@@ -225,8 +225,9 @@ def _resolve_prefill_attention(cfg: EngineConfig, head_dim: int) -> tuple[str, s
     beam kernel's conditions hold (both take bf16 queries over the pool and the same head dims):
     on an H100 it halved a 1,024-token prompt's attention (docs/benchmarks.md, session 20). On
     sm90 with FlashInfer it takes the fresh prefill over it (FA3 over the prompt's own K/V, the
-    Triton kernel for the steps fresh leaves): on an H100 `Engine.generate` gained 2.6% at n=50,
-    1.5% at n=512 and 1.1% at n=1024 (sessions 38-39), and every GPU test of the path passed."""
+    Triton kernel for the steps fresh leaves): on H100s `Engine.generate` gained 1.3-2.6% at
+    n=50, 1.5% at n=512 and 1.1% at n=1024 (sessions 38-39), and the whole GPU tier passed with
+    it as the default."""
     if cfg.prefill_attention == "triton" and not cfg.triton_kernels:
         raise ValueError(
             f"--prefill-attention triton needs Triton kernels here: {cfg.triton_reason}"

@@ -87,7 +87,7 @@ def test_gpu_beam_search_matches_transformers(
     error moves by tenths of a nat from beam to beam, so the worst error over the reference's
     own beams (another set where rankings differ) says little about these: on an H100 the fresh
     prefill's Llama n=4 beam erred 0.72 against 0.21 over the reference's own beams, and 0.54
-    for the reference on the same beams (scripts/diagnose_prefill_accuracy.py, session 39)."""
+    for the reference on the same beams (sessions 38 and 39; scripts/diagnose_prefill_accuracy.py)."""
     path, hf, _ = checkpoint
     catalog = write_catalog(tmp_path / "c.json", random_codes(400, seed=n))
     prompt = "user history w1 w7 w3 item w9"

@@ -31,10 +31,12 @@ _GELU_CUBIC = tl.constexpr(GELU_CUBIC)
 
 
 @triton.jit
-def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr):
+def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr,
+              EVICT: tl.constexpr):  # fmt: skip
     # fp32 right after every load: the interpreter computes bf16 arithmetic wrongly.
-    gate = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row_ptr + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(row_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    up = tl.load(row_ptr + INTER + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    up = up.to(tl.float32)
     # Plain `/` (approximate on GPU): tl.exp is approximate there anyway, so IEEE division would
     # buy no exactness, and it costs ~15% here.
     if ACT == 1:
@@ -48,21 +50,31 @@ def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr):
 @triton.jit
 def _silu_mul_quant_fp8_kernel(
     gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr, CACHE_HINTS: tl.constexpr,
 ):  # fmt: skip
+    """CACHE_HINTS: pass 1's loads ask L2 to keep the row for pass 2 ("evict_last"), pass 2's
+    let it go ("evict_first"), and the codes, read only by the next GEMM, stream past L2."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
     absmax = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT)
+        if CACHE_HINTS:
+            y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT, "evict_last")
+        else:
+            y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT, "")
         absmax = tl.maximum(absmax, tl.abs(y))  # masked lanes hold silu(0) * 0 = 0
     scale = fp8_scale(tl.max(absmax, axis=0))
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < INTER
-        y = _silu_mul(row_ptr, offs, mask, INTER, ACT)
-        tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
+        if CACHE_HINTS:
+            y = _silu_mul(row_ptr, offs, mask, INTER, ACT, "evict_first")
+            tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask,
+                     cache_modifier=".cs")  # fmt: skip
+        else:
+            y = _silu_mul(row_ptr, offs, mask, INTER, ACT, "")
+            tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -71,9 +83,11 @@ def launch_silu_mul_quant_fp8(
     act: int = ACT_SILU,
     chunk: int = _CHUNK,
     num_warps: int = _NUM_WARPS,
+    cache_hints: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch one program per row; arguments are validated by the public wrapper. `chunk` and
-    `num_warps` are the launch configuration (scripts/bench_elementwise.py tries others)."""
+    """Launch one program per row; arguments are validated by the public wrapper. `chunk`,
+    `num_warps` and `cache_hints` (L2 eviction hints, not yet timed on a GPU) are the launch
+    configuration (scripts/bench_elementwise.py tries others)."""
     t, two_i = gate_up.shape
     inter = two_i // 2
     q, scale = empty_fp8_rows(t, inter, gate_up.device)
@@ -82,6 +96,6 @@ def launch_silu_mul_quant_fp8(
     chunk = min(chunk, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
         gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act,
-        num_warps=num_warps,
+        CACHE_HINTS=cache_hints, num_warps=num_warps,
     )  # fmt: skip
     return q, scale

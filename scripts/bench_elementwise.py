@@ -63,8 +63,12 @@ def silu_mul(tokens: int) -> list[dict]:
     floor = _copy_gbps(nbytes)
     want = launch_silu_mul_quant_fp8(gate_up)
     rows = []
-    for chunk, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
-        config = {"chunk": chunk, "num_warps": warps}
+    configs = [{"chunk": c, "num_warps": w} for c, w in itertools.product((1024, 2048, 4096),
+                                                                         (4, 8, 16))]  # fmt: skip
+    # L2 eviction hints (keep the row for pass 2, stream the codes) on the fastest launches
+    configs += [{"chunk": c, "num_warps": w, "cache_hints": True}
+                for c, w in ((2048, 8), (2048, 16), (4096, 16))]  # fmt: skip
+    for config in configs:
         got = launch_silu_mul_quant_fp8(gate_up, **config)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), config
         assert torch.equal(got[1], want[1]), config

@@ -66,17 +66,23 @@ def test_kernel_wide_rows_span_several_chunks(device: torch.device) -> None:
     assert_fp8_close(q, scale, q_ref, scale_ref, scale_max_ulp=SCALE_ULP, **CODE_TOL)
 
 
-@pytest.mark.parametrize("chunk,num_warps", [(512, 2), (1024, 4), (4096, 16)])
+@pytest.mark.parametrize(
+    "chunk,num_warps,cache_hints",
+    [(512, 2, False), (1024, 4, False), (4096, 16, False), (2048, 8, True), (1024, 4, True)],
+)
 def test_launch_configurations_give_the_same_codes(
-    device: torch.device, chunk: int, num_warps: int
+    device: torch.device, chunk: int, num_warps: int, cache_hints: bool
 ) -> None:
     """scripts/bench_elementwise.py times other launch configurations than the default: they
-    split a row among threads differently, and must not change a code or a scale."""
+    split a row among threads differently, or give L2 eviction hints, and must not change a
+    code or a scale."""
     from flashrec_kernels.triton_silu_mul import launch_silu_mul_quant_fp8
 
     gate_up = _gate_up(3, 2500, torch.bfloat16, seed=5).to(device)
     want = launch_silu_mul_quant_fp8(gate_up)
-    got = launch_silu_mul_quant_fp8(gate_up, chunk=chunk, num_warps=num_warps)
+    got = launch_silu_mul_quant_fp8(
+        gate_up, chunk=chunk, num_warps=num_warps, cache_hints=cache_hints
+    )
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1])
 

@@ -31,6 +31,9 @@ with compiled_launches(90) as done:
     triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16))
     triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16),
                                               triton_silu_mul.ACT_GELU_TANH)
+    # with L2 eviction hints (a launch configuration scripts/bench_elementwise.py times)
+    triton_silu_mul.launch_silu_mul_quant_fp8(torch.zeros(T, 2 * 6144, dtype=bf16),
+                                              cache_hints=True)
     qkv = torch.zeros(T, (HQ + 2 * HKV) * D, dtype=bf16)
     q, k, v = (qkv[:, :HQ * D].view(T, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(T, HKV, D),
                qkv[:, (HQ + HKV) * D:].view(T, HKV, D))
@@ -82,6 +85,11 @@ with compiled_launches(90) as done:
     triton_fp8_gemm.launch_fp8_gemm(a, torch.ones(50), w, torch.ones(4096), None, bf16,
                                     block_m=64, block_n=16, block_k=128, split_k=4)
 names = sorted({c.kernel for c in done})
+# the hints reach the instructions: pass 1's loads keep the row in L2, pass 2's let it go, the
+# codes stream past it; the default launch carries none of them
+silu = [c.ptx for c in done if c.kernel == "_silu_mul_quant_fp8_kernel"]
+hinted = [ptx for ptx in silu if "evict_last" in ptx]
+assert len(hinted) == 1 and "evict_first" in hinted[0] and "st.global.cs" in hinted[0], len(hinted)
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
 # the attention kernels, whose launches were chosen by time on the device: the beam kernel's

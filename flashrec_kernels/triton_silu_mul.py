@@ -50,31 +50,25 @@ def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr,
 @triton.jit
 def _silu_mul_quant_fp8_kernel(
     gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
-    ACT: tl.constexpr, CACHE_HINTS: tl.constexpr,
+    ACT: tl.constexpr, FIRST_EVICT: tl.constexpr, SECOND_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
 ):  # fmt: skip
-    """CACHE_HINTS: pass 1's loads ask L2 to keep the row for pass 2 ("evict_last"), pass 2's
-    let it go ("evict_first"), and the codes, read only by the next GEMM, stream past L2."""
+    """FIRST_EVICT / SECOND_EVICT: the L2 eviction policy of each pass's loads, STORE_CACHE the
+    codes' cache modifier ("" for the defaults; `launch_silu_mul_quant_fp8(cache_hints=True)`)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
     absmax = tl.zeros((CHUNK,), tl.float32)
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        if CACHE_HINTS:
-            y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT, "evict_last")
-        else:
-            y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT, "")
+        y = _silu_mul(row_ptr, offs, offs < INTER, INTER, ACT, FIRST_EVICT)
         absmax = tl.maximum(absmax, tl.abs(y))  # masked lanes hold silu(0) * 0 = 0
     scale = fp8_scale(tl.max(absmax, axis=0))
     for start in range(0, INTER, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < INTER
-        if CACHE_HINTS:
-            y = _silu_mul(row_ptr, offs, mask, INTER, ACT, "evict_first")
-            tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask,
-                     cache_modifier=".cs")  # fmt: skip
-        else:
-            y = _silu_mul(row_ptr, offs, mask, INTER, ACT, "")
-            tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask)
+        y = _silu_mul(row_ptr, offs, mask, INTER, ACT, SECOND_EVICT)
+        tl.store(q_ptr + row * INTER + offs, to_fp8(y, scale), mask=mask,
+                 cache_modifier=STORE_CACHE)  # fmt: skip
     tl.store(scale_ptr + row, scale)
 
 
@@ -96,6 +90,10 @@ def launch_silu_mul_quant_fp8(
     chunk = min(chunk, triton.next_power_of_2(inter))
     _silu_mul_quant_fp8_kernel[(t,)](
         gate_up, q, scale, gate_up.stride(0), INTER=inter, CHUNK=chunk, ACT=act,
-        CACHE_HINTS=cache_hints, num_warps=num_warps,
+        # with hints, pass 1's loads keep the row in L2 for pass 2, pass 2's let it go, and
+        # the codes (read only by the next GEMM) stream past L2
+        FIRST_EVICT="evict_last" if cache_hints else "",
+        SECOND_EVICT="evict_first" if cache_hints else "",
+        STORE_CACHE=".cs" if cache_hints else "", num_warps=num_warps,
     )  # fmt: skip
     return q, scale

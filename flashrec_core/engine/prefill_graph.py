@@ -300,7 +300,7 @@ class PrefillGraphs:
             attention = backend.prefill_graph_attention(sequences, tokens, wrapped=True)
         else:
             attention = backend.prefill_graph_attention(sequences, tokens)
-        metadata = self.runner.attn_backend.plan(padded, graph=attention)
+        metadata = backend.plan(padded, graph=attention)
 
         def body() -> torch.Tensor:
             return self.runner.forward_batch(

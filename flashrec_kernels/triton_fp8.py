@@ -6,6 +6,13 @@ truncates fp32 -> bfloat16 instead of rounding to nearest even. A value already 
 converts exactly under both the interpreter and real GPUs, so every kernel stores through
 `cast_for_store`, and the interpreter then matches torch's `.to(dtype)` bit for bit.
 
+On a real GPU the pre-rounding is skipped: sm_89+ converts with `cvt.rn.satfinite.e4m3x2.f32`
+and `cvt.rn.bf16.f32`, which round to nearest even themselves, and the dozen integer and float
+instructions a value took there were a third of the SiLU-mul kernel's instructions (its SASS
+for sm_90). Likewise `to_fp8` divides by a row's scale through the scale's correctly rounded
+reciprocal and two FMAs (`div_rn_by`) instead of an IEEE division per element. Both
+give the same bits as before; tests/kernels/test_fp8_rounding.py checks each natively on the GPU.
+
 Model plugins that ship their own FP8 kernels (GELU->FP8, LayerNorm->FP8) should reuse
 `quantize_row_fp8` (a row in registers) or `fp8_scale` + `to_fp8` (a row in chunks), so every
 kernel shares one quantizer.
@@ -17,9 +24,12 @@ import triton
 import triton.language as tl
 
 from . import fp8
+from .device import triton_interpreting
 
 __all__ = [
+    "INTERPRETED",
     "cast_for_store",
+    "div_rn_by",
     "fp8_scale",
     "quantize_row_fp8",
     "round_to_bf16",
@@ -31,6 +41,9 @@ FP8_MAX = tl.constexpr(fp8.FP8_MAX)
 MIN_ABSMAX = tl.constexpr(fp8.MIN_ABSMAX)
 _E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6; below it e4m3 is subnormal with spacing 2^-9
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding it rounds |y| < 2^22 to an integer (RNE)
+INTERPRETED = tl.constexpr(triton_interpreting())
+"""Whether the kernels run in Triton's interpreter, decided at import as triton.jit decides it: a
+kernel branches on it where the interpreter needs exact arithmetic a GPU does faster."""
 
 
 @triton.jit
@@ -58,9 +71,14 @@ def round_to_bf16(x):
 def cast_for_store(x, dtype: tl.constexpr):
     """fp32 -> `dtype` the way torch's `.to(dtype)` does (FP8 additionally clamped to +-448)."""
     if dtype == tl.float8e4nv:
-        return round_to_e4m3(x).to(dtype)
+        if INTERPRETED:
+            return round_to_e4m3(x).to(dtype)
+        # the clamp keeps NaN-free saturation explicit, as round_to_e4m3 does
+        return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(dtype)
     elif dtype == tl.bfloat16:
-        return round_to_bf16(x).to(dtype)
+        if INTERPRETED:
+            return round_to_bf16(x).to(dtype)
+        return x.to(dtype)
     else:
         return x.to(dtype)
 
@@ -75,10 +93,30 @@ def fp8_scale(absmax):
 def to_fp8(y, scale):
     """e4m3 codes of fp32 `y` under `scale`: clamp(y / scale, -448, 448), rounded to nearest even.
 
-    IEEE division (div_rn) on purpose: Triton's `/` is approximate on GPU, and a 1-ulp error in
-    y / scale can flip the FP8 rounding against the torch reference.
+    The quotient is IEEE's (correctly rounded, `div_rn_by`) on purpose: Triton's `/` is
+    approximate on GPU, and a 1-ulp error in y / scale can flip the FP8 rounding against the
+    torch reference.
     """
-    return cast_for_store(tl.math.div_rn(y, tl.broadcast_to(scale, y.shape)), tl.float8e4nv)
+    return cast_for_store(div_rn_by(y, scale), tl.float8e4nv)
+
+
+@triton.jit
+def div_rn_by(y, d):
+    """y / d rounded to nearest even (IEEE's quotient), `d` broadcasting against `y` (a row's
+    scale). On a GPU with one IEEE division per value of `d` instead of one per element: from
+    inv = 1 / d correctly rounded, q = y inv, then one FMA correction (Markstein's step: the
+    remainder r = y - q d, then q + r inv, each rounded once). With a correctly rounded
+    reciprocal one step gives IEEE's quotient (Muller, "Accelerating floating-point division
+    when the divisor is known in advance", 2002); tests/kernels/test_fp8_rounding.py checks it
+    bit for bit on pairs chosen to flip FP8 codes, natively and in exact arithmetic. Quotients
+    under 2^-120 (FP8 zeros either way) are outside that check. The interpreter's fma rounds
+    twice, so there it divides."""
+    if INTERPRETED:
+        return tl.math.div_rn(y, tl.broadcast_to(d, y.shape))
+    inv = tl.math.div_rn(1.0, d)
+    q = y * inv
+    r = tl.fma(-q, d, y)
+    return tl.fma(r, inv, q)
 
 
 @triton.jit

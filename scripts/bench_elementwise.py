@@ -12,20 +12,28 @@ fastest (session 19's run on an H100 set SiLU-mul's and RoPE's: docs/benchmarks.
 variant's output is checked against the default's before it is timed: SiLU-mul's codes must be
 equal (a configuration changes only how a row is split among threads; absmax is order-free),
 RMSNorm's and RoPE's within the tolerance of their tests (a sum of squares reduced in another
-order). Times are CUDA events (`triton.testing.do_bench`). Usage (on the GPU):
-    python scripts/bench_elementwise.py [OUT_DIR]
+order). Times are CUDA events (`triton.testing.do_bench`). With --defaults only each kernel's
+default launch is timed: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs it on both).
+Usage (on the GPU):
+    python scripts/bench_elementwise.py [OUT_DIR] [--defaults]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton.testing
 
+from flashrec_kernels import (
+    per_token_quant_fp8,
+    per_token_quant_fp8_ref,
+    rms_norm_quant_fp8_ref,
+    silu_mul_quant_fp8_ref,
+)
 from flashrec_kernels.testing import assert_fp8_close, assert_ulp_close
 from flashrec_kernels.triton_rms_norm import launch_rms_norm_quant_fp8
 from flashrec_kernels.triton_rope import launch_rope_norm_store
@@ -57,7 +65,31 @@ def _row(kernel: str, tokens: int, config: dict, ms: float, nbytes: int, floor_g
     return row
 
 
-def silu_mul(tokens: int) -> list[dict]:
+def check_against_reference(tokens: int) -> None:
+    """The default launches against the torch references at the bench's shapes, with the
+    tolerances of tests/kernels (test_silu_mul_fp8.py, test_rms_norm_fp8.py: an approximate exp,
+    a reduction order) and exactly for the plain quantizer (IEEE division, one rounding)."""
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    gate_up = torch.randn(tokens, 2 * INTER, generator=gen, device=DEV).to(torch.bfloat16) * 3
+    q, scale = launch_silu_mul_quant_fp8(gate_up)
+    assert_fp8_close(q, scale, *silu_mul_quant_fp8_ref(gate_up), scale_max_ulp=4, max_ulp=1,
+                     max_frac=0.01)  # fmt: skip
+    x = torch.randn(tokens, HIDDEN, generator=gen, device=DEV).to(torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.rand(HIDDEN, generator=gen, device=DEV).to(torch.bfloat16) + 0.5
+    q, scale, res_out = launch_rms_norm_quant_fp8(x, w, 1e-6, res)
+    q_ref, scale_ref, res_ref = rms_norm_quant_fp8_ref(x, w, 1e-6, res)
+    assert_fp8_close(q, scale, q_ref, scale_ref, scale_max_ulp=6, max_ulp=1, max_frac=0.01)
+    assert torch.equal(res_out, res_ref)
+    h = torch.randn(tokens, INTER, generator=gen, device=DEV) * 5
+    q, scale = per_token_quant_fp8(h)
+    q_ref, scale_ref = per_token_quant_fp8_ref(h)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    print(f"{tokens} tokens: SiLU-mul, RMSNorm and the quantizer agree with their references")
+
+
+def silu_mul(tokens: int, sweep: bool = True) -> list[dict]:
     gate_up = torch.randn(tokens, 2 * INTER, dtype=torch.bfloat16, device=DEV)
     nbytes = gate_up.numel() * 2 + tokens * INTER + tokens * 4  # bf16 in, fp8 out, fp32 scales
     floor = _copy_gbps(nbytes)
@@ -68,6 +100,8 @@ def silu_mul(tokens: int) -> list[dict]:
     # L2 eviction hints (keep the row for pass 2, stream the codes) on the fastest launches
     configs += [{"chunk": c, "num_warps": w, "cache_hints": True}
                 for c, w in ((2048, 8), (2048, 16), (4096, 16))]  # fmt: skip
+    if not sweep:
+        configs = [{}]
     for config in configs:
         got = launch_silu_mul_quant_fp8(gate_up, **config)
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), config
@@ -77,7 +111,7 @@ def silu_mul(tokens: int) -> list[dict]:
     return rows
 
 
-def rms_norm(tokens: int) -> list[dict]:
+def rms_norm(tokens: int, sweep: bool = True) -> list[dict]:
     x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=DEV)
     res = torch.randn_like(x)
     w = torch.rand(HIDDEN, dtype=torch.bfloat16, device=DEV) + 0.5
@@ -86,7 +120,7 @@ def rms_norm(tokens: int) -> list[dict]:
     floor = _copy_gbps(nbytes)
     want = launch_rms_norm_quant_fp8(x, w, 1e-6, res)
     rows = []
-    for warps in (2, 4, 8, 16):
+    for warps in (2, 4, 8, 16) if sweep else (None,):
         got = launch_rms_norm_quant_fp8(x, w, 1e-6, res, num_warps=warps)
         # the tolerance of tests/kernels/test_rms_norm_fp8.py (SCALE_ULP, CODE_TOL), whose
         # comment derives it from the reduction order
@@ -119,7 +153,7 @@ def _rope_inputs(tokens: int, seed: int = 0) -> tuple:
     return qkv, views, positions, cos_sin, caches, out_loc, weights
 
 
-def rope(tokens: int) -> list[dict]:
+def rope(tokens: int, sweep: bool = True) -> list[dict]:
     """q/k RMSNorm + RoPE in place, K and V into FP8 caches (`launch_rope_norm_store`)."""
     per_token = (2 * (Q_HEADS + KV_HEADS) * 2 + KV_HEADS * 2 + 2 * KV_HEADS) * HEAD_DIM + 16
     nbytes = tokens * per_token  # q, k read and written (bf16), v read, k, v cached (fp8), ids
@@ -135,7 +169,8 @@ def rope(tokens: int) -> list[dict]:
     want = _rope_inputs(tokens)
     run(want)
     rows = []
-    for per_program, warps in itertools.product((1, 2, 4, 8), (4, 8, 16)):
+    launches = itertools.product((1, 2, 4, 8), (4, 8, 16)) if sweep else [(None, None)]
+    for per_program, warps in launches:
         config = {"tokens_per_program": per_program, "num_warps": warps}
         got = _rope_inputs(tokens)
         run(got, **config)
@@ -150,10 +185,15 @@ def rope(tokens: int) -> list[dict]:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."))
+    parser.add_argument("--defaults", action="store_true", help="time each default launch only")
+    args = parser.parse_args()
+    out, sweep = args.out, not args.defaults
     rows = []
     for tokens in TOKENS:
-        rows += silu_mul(tokens) + rms_norm(tokens) + rope(tokens)
+        check_against_reference(tokens)
+        rows += silu_mul(tokens, sweep) + rms_norm(tokens, sweep) + rope(tokens, sweep)
     (out / "bench_elementwise.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -240,8 +240,21 @@ for what in "${@:-tests}"; do
       bench -n 50 --requests 400 --no-graphs --no-hf-baseline --out "$out/bench_n50_nographs.json" 2>&1 | tail -18
       bench -n 512 --requests 64 --beam-attention cascade --no-hf-baseline --out "$out/bench_n512_ficascade.json" 2>&1 | tail -18
       bench -n 512 --requests 64 --no-cascade --no-hf-baseline --out "$out/bench_n512_flat.json" 2>&1 | tail -18 ;;
-    elementwise)  # SiLU-mul and RMSNorm -> FP8 alone, launch configurations against the copy floor
-      timeout "$(left)" python3 scripts/bench_elementwise.py "$out" 2>&1 | tail -60 ;;
+    elementwise)  # SiLU-mul and RMSNorm -> FP8 alone, launch configurations against the copy floor.
+      # KERNELS_BASE=DIR (a copy of another tree's flashrec_kernels/ under DIR, e.g. .ab/base
+      # from `git archive REV flashrec_kernels | tar -x -C .ab/base`, carried): both trees'
+      # default launches only, base first, into $out/base and $out (E2E_AB can run the engine on
+      # the base too: "PYTHONPATH=.ab/base:/tmp/site")
+      if [[ -n ${KERNELS_BASE:-} ]]; then
+        mkdir -p "$out/base"
+        echo "--- base kernels ($KERNELS_BASE)"
+        PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 scripts/bench_elementwise.py \
+          "$out/base" --defaults 2>&1 | tail -20
+        echo "--- this tree's kernels"
+        timeout "$(left)" python3 scripts/bench_elementwise.py "$out" --defaults 2>&1 | tail -20
+      else
+        timeout "$(left)" python3 scripts/bench_elementwise.py "$out" 2>&1 | tail -60
+      fi ;;
     streams)  # a step graph beside a prefill graph on streams of two priorities (scripts/bench_stream_priority.py)
       timeout "$(left)" python3 scripts/bench_stream_priority.py "$out" 2>&1 | tail -12 ;;
     gemm)  # the model's FP8 GEMMs alone by row count (scripts/bench_gemm.py): small waves' cost

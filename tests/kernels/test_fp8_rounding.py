@@ -1,4 +1,6 @@
-"""The pre-rounding store helper must reproduce torch's casts bit for bit, interpreter included."""
+"""The store helper must reproduce torch's casts bit for bit, and `div_rn_by` IEEE's quotient,
+natively on a GPU (hardware conversions, a reciprocal and FMAs) and in the interpreter
+(pre-rounding, IEEE division)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from flashrec_kernels.testing import ulp_distance
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from flashrec_kernels.triton_fp8 import cast_for_store  # noqa: E402  (needs triton)
+from flashrec_kernels.triton_fp8 import cast_for_store, div_rn_by  # noqa: E402  (needs triton)
+
+ON_GPU = torch.cuda.is_available()
 
 
 def _e4m3_grid() -> torch.Tensor:
@@ -76,3 +80,67 @@ def test_cast_for_store_other_dtypes_match_torch(device: torch.device, dtype: to
     x = torch.cat([x, ties]).to(device)
     got = _run_cast(x, dtype)
     assert int(ulp_distance(got, x.to(dtype)).max()) == 0
+
+
+def _divisions(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, d) fp32 pairs as `to_fp8` divides them: d a row scale over 2^-40..2^20, a third with
+    all-ones low significands (where a rounded reciprocal is least accurate), y = d times a
+    quotient in [-448, 448], half of the quotients at e4m3 rounding midpoints, each y then
+    moved by -2..2 ulps (the pairs whose FP8 code one ulp of error would flip)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.exp2(torch.empty(n).uniform_(-40, 20, generator=gen))
+    ones = torch.rand(n, generator=gen) < 0.3
+    d_bits = d.view(torch.int32)
+    d_bits[ones] |= 0x7FFF00 | torch.randint(0, 256, (int(ones.sum()),), generator=gen,
+                                             dtype=torch.int32)  # fmt: skip
+    d = d_bits.view(torch.float32)
+    quotient = torch.empty(n).uniform_(-448, 448, generator=gen)
+    k = torch.randint(-9, 9, (n,), generator=gen).float()
+    m = torch.randint(0, 8, (n,), generator=gen).float()
+    sign = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    at_mid = torch.rand(n, generator=gen) < 0.5
+    quotient[at_mid] = (sign * (1 + (2 * m + 1) / 16) * torch.exp2(k))[at_mid]
+    y = (quotient * d).view(torch.int32) + torch.randint(-2, 3, (n,), generator=gen,
+                                                         dtype=torch.int32)  # fmt: skip
+    return y.view(torch.float32), d
+
+
+@triton.jit
+def _divide_kernel(y_ptr, d_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(y_ptr + offs, mask=offs < n, other=0.0)
+    d = tl.load(d_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(out_ptr + offs, div_rn_by(y, d), mask=offs < n)
+
+
+def test_div_rn_by_is_ieee_division(device: torch.device) -> None:
+    """On a GPU: the reciprocal and two FMAs give IEEE's quotient bit for bit (16M pairs)."""
+    y, d = _divisions(1 << 24 if ON_GPU else 4096, seed=2)
+    y, d = y.to(device), d.to(device)
+    expected = y / d  # a tensor divisor: IEEE division on CUDA and CPU
+    got = torch.empty_like(y)
+    block = 1024
+    _divide_kernel[(triton.cdiv(y.numel(), block),)](y, d, got, y.numel(), BLOCK=block)
+    tiny = expected.abs() < 2.0**-120  # underflow is outside the formula's claim (FP8 zero there)
+    mismatch = (got.view(torch.int32) != expected.view(torch.int32)) & ~tiny
+    assert int(mismatch.sum()) == 0, (y[mismatch][:4], d[mismatch][:4], got[mismatch][:4])
+
+
+def test_reciprocal_division_formula_is_exact_in_exact_arithmetic() -> None:
+    """The GPU path of `div_rn_by` replayed with exact roundings (numpy fp32, remainders in
+    fp64 where they are exact) on 2M pairs: one correction step from the rounded reciprocal
+    always lands on IEEE's quotient. Without a GPU this is what shows the formula is right."""
+    np = pytest.importorskip("numpy")
+    y_t, d_t = _divisions(1 << 21, seed=3)
+    y, d = y_t.numpy(), d_t.numpy()
+    inv = np.float32(1) / d
+    q = y * inv
+    # y - q d: q d is exact in fp64 (48 bits) and cancels against y, so the sum is exact too
+    r = (y.astype(np.float64) - q.astype(np.float64) * d.astype(np.float64)).astype(np.float32)
+    s = r.astype(np.float64) * inv.astype(np.float64) + q.astype(np.float64)
+    # fp64 then fp32 rounds twice; that differs from one rounding only on an fp32 midpoint
+    assert not bool(((s.view(np.uint64) & ((1 << 29) - 1)) == (1 << 28)).any())
+    got = s.astype(np.float32)
+    expected = y / d
+    ok = np.abs(expected) >= 2.0**-120
+    assert int((got != expected)[ok].sum()) == 0

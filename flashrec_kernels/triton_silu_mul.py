@@ -7,7 +7,9 @@ this is about 1.6x faster than a whole-row block at I = 12288. The launch config
 of 2048, 8 warps) is the fastest that scripts/bench_elementwise.py found on an H100 at the
 bench preset's intermediate size (6144): 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162
 us with chunks of 1024 and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the
-row in registers was slower at 8,184 rows.
+row in registers was slower at 8,184 rows. That kernel was bound by instruction issue; with the
+GPU-side arithmetic of session 40 (hardware FP8 rounding, `div_rn_by`, ex2 / rcp gates) it takes
+20 / 95 us, 90-95% of the copy bandwidth.
 """
 
 from __future__ import annotations

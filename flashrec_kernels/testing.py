@@ -62,6 +62,11 @@ def assert_fp8_close(
     assert q.dtype == FP8_DTYPE and scale.dtype == torch.float32, f"{q.dtype}, {scale.dtype}"
     assert_ulp_close(scale, scale_ref, max_ulp=scale_max_ulp, max_frac=1.0)
     assert_ulp_close(q, q_ref, max_ulp=max_ulp, max_frac=max_frac)
+    if max_ulp == 0:  # exact means the same bytes: ulps count -0 and +0 as one value
+        differ = q.view(torch.uint8) != q_ref.view(torch.uint8)
+        assert not bool(differ.any()), (
+            f"codes differ in sign only at {differ.nonzero()[:5].tolist()}"
+        )
     deq, deq_ref = q.float() * scale, q_ref.float() * scale_ref
     # A scale off by k fp32 ulps moves each product by k ulps, plus one for the product's rounding.
     scale_slack = (scale_max_ulp + 1) * 2.0**-23 if scale_max_ulp else 0.0

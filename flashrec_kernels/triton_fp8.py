@@ -56,6 +56,10 @@ def round_to_e4m3(x):
     normal = bits.to(tl.float32, bitcast=True)
     # Subnormal range: round x * 2^9 to an integer; the fp32 add rounds once, to nearest even.
     sub = ((x * 512.0 + _RNE_MAGIC) - _RNE_MAGIC) * 0.001953125  # 2^-9, exact
+    # The add loses the sign of what rounds to zero (-2^-11 became +0 where torch gives -0):
+    # put x's sign bit back (a no-op on every nonzero result, which already carries it).
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # the sign bit, 0x80000000
+    sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < _E4M3_MIN_NORMAL, sub, normal)
 
 

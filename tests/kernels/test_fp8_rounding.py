@@ -57,8 +57,10 @@ def test_cast_for_store_fp8_matches_torch_bit_for_bit(device: torch.device) -> N
     x = _tricky_e4m3_inputs().to(device)
     expected = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     got = _run_cast(x, FP8_DTYPE)
-    # Exact: the whole point of the helper is that the cast sees values already on the grid.
-    assert int(ulp_distance(got, expected).max()) == 0
+    # Bit for bit, signed zeros included (ulp distance counts -0 and +0 as equal; the
+    # interpreter's pre-rounding once turned small negatives into +0 where torch gives -0)
+    differ = got.view(torch.uint8) != expected.view(torch.uint8)
+    assert not bool(differ.any()), (x[differ][:6], got[differ][:6], expected[differ][:6])
 
 
 def test_cast_for_store_fp8_keeps_ties_and_carries(device: torch.device) -> None:

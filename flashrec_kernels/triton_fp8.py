@@ -10,8 +10,8 @@ On a real GPU the pre-rounding is skipped: sm_89+ converts with `cvt.rn.satfinit
 and `cvt.rn.bf16.f32`, which round to nearest even themselves, and the dozen integer and float
 instructions a value took there were a third of the SiLU-mul kernel's instructions (its SASS
 for sm_90). Likewise `to_fp8` divides by a row's scale through the scale's correctly rounded
-reciprocal and two FMAs (`div_rn_by`) instead of an IEEE division per element. Both
-give the same bits as before; tests/kernels/test_fp8_rounding.py checks each natively on the GPU.
+reciprocal and two FMAs (`div_rn_by`) instead of an IEEE division per element. Both give
+torch's bits; tests/kernels/test_fp8_rounding.py checks each natively on the GPU.
 
 Model plugins that ship their own FP8 kernels (GELU->FP8, LayerNorm->FP8) should reuse
 `quantize_row_fp8` (a row in registers) or `fp8_scale` + `to_fp8` (a row in chunks), so every

@@ -361,9 +361,12 @@ for what in "${@:-tests}"; do
       # its own --target dir, on PYTHONPATH for the script only (it runs on the deps in /tmp/site)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/refsite \
         .whl/ref/flashrec-*.whl || { echo "reference wheel install failed"; continue; }
+      # --cache-fill 0 unless COMPARE_ARGS sets it: the script's default fills 90% of each
+      # engine's KV pool before timing, which the reference alone could not finish in a 7-minute
+      # stage on an H100 (session 40); a later --cache-fill in COMPARE_ARGS wins
       # shellcheck disable=SC2086  # COMPARE_ARGS is a list of flags
       PYTHONPATH=/tmp/refsite:$PYTHONPATH timeout "$(left)" python3 scripts/compare_reference.py --ckpt "$ck" \
-        --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare_reference.log" | tail -45 ;;
+        --out "$out" --cache-fill 0 ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare_reference.log" | tail -45 ;;
     diagnose)  # which engine path scores beams unlike fp32 transformers (one switch per case)
       timeout "$(left)" python3 scripts/diagnose_gpu_search.py "$out" 2>&1 | grep -v Writing ;;
     *) echo "unknown stage $what"; exit 2 ;;

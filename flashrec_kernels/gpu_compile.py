@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompiledLaunch", "compiled_launches", "loop_schedule", "run_compile_script"]
+__all__ = [
+    "CompiledLaunch",
+    "compiled_launches",
+    "instruction_mix",
+    "loop_schedule",
+    "run_compile_script",
+    "sass",
+]
 
 _POINTER_TYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -87,15 +94,50 @@ class _Recorder:
         self.launches.append(launch)
 
 
-def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill bytes) of the PTX's one kernel, from Triton's bundled ptxas -v (the
-    compiled kernel's own counts come from the driver, which needs a GPU)."""
+def _ptxas_path(arch: int) -> str:
     from triton.backends.nvidia import compiler
 
     if hasattr(compiler, "get_ptxas"):  # Triton >= 3.4
-        ptxas = compiler.get_ptxas(arch).path
-    else:
-        ptxas = compiler._path_to_binary("ptxas")[0]
+        return str(compiler.get_ptxas(arch).path)
+    return str(compiler._path_to_binary("ptxas")[0])
+
+
+def sass(ptx: str) -> str:
+    """The machine code (SASS) of the PTX's one kernel, from Triton's bundled ptxas and nvdisasm:
+    what to count before a device call when a kernel may be bound by instruction issue rather
+    than memory (session 40: the SiLU-mul kernel's ~1,550 instructions a thread at 119 us, 840
+    after, at 95 us; docs/development.md)."""
+    nvdisasm = os.path.join(os.path.dirname(_ptxas_path(90)), "nvdisasm")
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = target.group(1) if target else "sm_90a"
+        subprocess.run([_ptxas_path(90), f"-arch={arch}", src, "-o", cubin], check=True,
+                       capture_output=True)  # fmt: skip
+        return subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+
+
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)")
+
+
+def instruction_mix(sass_text: str) -> dict[str, int]:
+    """Instructions of a SASS listing by opcode (modifiers dropped, predicates ignored), most
+    frequent first; the listing's static count, so a loop's body counts once."""
+    counts: dict[str, int] = {}
+    for line in sass_text.splitlines():
+        match = _SASS_LINE.match(line)
+        if match:
+            counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) of the PTX's one kernel, from Triton's bundled ptxas -v (the
+    compiled kernel's own counts come from the driver, which needs a GPU)."""
+    ptxas = _ptxas_path(arch)
     target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")

@@ -15,7 +15,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 _SCRIPT = """
 import torch
-from flashrec_kernels.gpu_compile import compiled_launches, loop_schedule
+from flashrec_kernels.gpu_compile import compiled_launches, instruction_mix, loop_schedule, sass
 from flashrec_kernels.trie_topk import CsrLevel, DenseLevel
 from flashrec_kernels import triton_beam_attention as att, triton_quant, triton_rms_norm
 from flashrec_kernels import triton_prefill_attention, triton_rope, triton_silu_mul, triton_trie_topk
@@ -90,6 +90,21 @@ names = sorted({c.kernel for c in done})
 silu = [c.ptx for c in done if c.kernel == "_silu_mul_quant_fp8_kernel"]
 hinted = [ptx for ptx in silu if "evict_last" in ptx]
 assert len(hinted) == 1 and "evict_first" in hinted[0] and "st.global.cs" in hinted[0], len(hinted)
+# the GPU side of triton_fp8 (session 40; before it these kernels were bound by instruction
+# issue): FP8 rounded by the conversion itself, without the interpreter's pre-rounding (its
+# magic constant 1.5 * 2^23, 0f4B400000, absent); IEEE divisions only per row (the scale, its
+# reciprocal, and RMSNorm's own two), not per element (9-11 in these PTX files before); the
+# SiLU and GELU gates through ex2 / rcp .approx.ftz
+row_divisions = {"_per_token_quant_fp8_kernel": 2, "_rms_norm_quant_fp8_kernel": 4,
+                 "_silu_mul_quant_fp8_kernel": 2}
+for c in done:
+    if c.kernel in row_divisions:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in c.ptx and "0f4B400000" not in c.ptx, c.kernel
+        assert c.ptx.count("div.rn.f32") <= row_divisions[c.kernel], c.kernel
+assert all("ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx for ptx in silu)
+# the default launch's machine code: the gates on the special-function unit, FP8 packed by F2FP
+mix = instruction_mix(sass(silu[0]))
+assert mix.get("MUFU", 0) > 0 and mix.get("F2FP", 0) > 0 and sum(mix.values()) > 100, mix
 assert all(c.cubin_bytes > 0 for c in done), names
 # Register spills (local-memory traffic) in kernels meant to run at bandwidth: none, except in
 # the attention kernels, whose launches were chosen by time on the device: the beam kernel's
@@ -139,3 +154,17 @@ def test_shared_kernels_compile_for_sm90() -> None:
         "split_k_sum",
     ):  # fmt: skip
         assert kernel in proc.stdout, f"no {kernel} kernel compiled: {proc.stdout}"
+
+
+def test_kernel_sass_script_counts_each_elementwise_kernel() -> None:
+    """scripts/kernel_sass.py (instruction counts before a device call) runs here."""
+    from pathlib import Path
+
+    from flashrec_kernels.gpu_compile import run_compile_script
+
+    script = Path(__file__).parents[2] / "scripts" / "kernel_sass.py"
+    proc = run_compile_script(script.read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    for kernel in ("per_token_quant", "rms_norm", "silu_mul", "rope_norm_store"):
+        line = next((x for x in proc.stdout.splitlines() if kernel in x), None)
+        assert line is not None and " instructions, " in line, proc.stdout

@@ -107,14 +107,15 @@ def sass(ptx: str) -> str:
     what to count before a device call when a kernel may be bound by instruction issue rather
     than memory (session 40: the SiLU-mul kernel's ~1,550 instructions a thread at 119 us, 840
     after, at 95 us; docs/development.md)."""
-    nvdisasm = os.path.join(os.path.dirname(_ptxas_path(90)), "nvdisasm")
-    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.MULTILINE)
+    target = re.search(r"^\.target\s+sm_(\d+)(\w*)", ptx, re.MULTILINE)
+    number, suffix = (int(target.group(1)), target.group(2)) if target else (90, "a")
+    ptxas = _ptxas_path(number)
+    nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        arch = target.group(1) if target else "sm_90a"
-        subprocess.run([_ptxas_path(90), f"-arch={arch}", src, "-o", cubin], check=True,
+        subprocess.run([ptxas, f"-arch=sm_{number}{suffix}", src, "-o", cubin], check=True,
                        capture_output=True)  # fmt: skip
         return subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True,
                               text=True).stdout  # fmt: skip

@@ -47,9 +47,15 @@ kernel branches on it where the interpreter needs exact arithmetic a GPU does fa
 
 
 @triton.jit
+def _clamp_e4m3(x):
+    """Clamp to +-448, e4m3fn's largest finite value (it has no inf: past it is NaN)."""
+    return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def round_to_e4m3(x):
     """fp32 -> fp32 on the e4m3 grid: clamp to +-448, round to nearest even."""
-    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    x = _clamp_e4m3(x)
     # Normal range: keep 3 of fp32's 23 mantissa bits (drop 20) with RNE; a carry moves the exponent.
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
@@ -77,8 +83,7 @@ def cast_for_store(x, dtype: tl.constexpr):
     if dtype == tl.float8e4nv:
         if INTERPRETED:
             return round_to_e4m3(x).to(dtype)
-        # the clamp keeps NaN-free saturation explicit, as round_to_e4m3 does
-        return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(dtype)
+        return _clamp_e4m3(x).to(dtype)  # the conversion rounds (cvt.rn.satfinite)
     elif dtype == tl.bfloat16:
         if INTERPRETED:
             return round_to_bf16(x).to(dtype)

@@ -3,9 +3,10 @@
 The GQA group is packed into the M dimension: packed row m of a tile is beam row m // GROUP, q
 head kv_head * GROUP + m % GROUP, so every K/V tile gathered from the request's prompt feeds all
 q heads that share it, through one tl.dot. The program runs an online softmax (fp32 running max,
-sum and accumulator; exp2 with log2(e) folded into the scale) over the prompt slots in BLOCK_N
-chunks, then over each row's S own slots (per-row K/V vectors: elementwise products and row
-sums; a negative slot is skipped), then normalizes and stores bf16.
+sum and accumulator; exp2 with log2(e) folded into the scale) over each row's S own slots first
+(per-row K/V vectors: elementwise products and row sums; a negative slot is skipped), then over
+the prompt slots in BLOCK_N chunks (whole chunks without masks, then the part chunk that ends
+the range), then normalizes and stores bf16.
 
 Split-KV. A step of few requests launches few programs (one 50-beam request: 8, one per kv head,
 on a 132-SM H200: 51 us a layer, each program walking the whole prompt). `num_splits` > 1 cuts
@@ -135,31 +136,63 @@ def _scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(qk, seen, m_i, qk_scale, cap_log2, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+                  ROW_SCALED: tl.constexpr):  # fmt: skip
+    """One chunk's online-softmax update of the raw score dots `qk` [BLOCK_M, BLOCK_N]: (the new
+    running max, the old state's rescale factor, the chunk's weights), in log2 units. MASKED:
+    keys outside `seen` weigh 0. ROW_SCALED: qk_scale is [BLOCK_M, 1] (the FP8 score dot's row
+    scales), else a scalar. Without a soft-cap or row scales, the max is taken over the raw dots
+    (the scale is positive) and each weight is exp2 of one FMA, qk * scale - max: a chunk's
+    scaling then costs no instructions of its own (a 128-key chunk's loop body had 64 FMULs a
+    thread for it, of about 1,000)."""
+    if SOFTCAP or ROW_SCALED:
+        s = _scores(qk, qk_scale, cap_log2, SOFTCAP)
+        if MASKED:
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        if MASKED:
+            qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    return m_new, tl.exp2(m_i - m_new), p
+
+
+@triton.jit
 def _prefix_chunk(
     q, k_cache_ptr, v_cache_ptr, idx_ptr, n0, num_prefix, kc_head, vc_head, kc_stride_s,
     vc_stride_s, m_i, l_i, acc, qk_scale, cap_log2,
     D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr,
-    F16: tl.constexpr, FP8_QK: tl.constexpr,
+    F16: tl.constexpr, FP8_QK: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). FP8_QK:
-    q holds e4m3 codes and the keys enter the score dot as loaded (qk_scale carries each row's
-    scale)."""
+    """Fold prompt slots [n0, n0 + BLOCK_N) into the running (max, sum, accumulator). MASKED:
+    the chunk crosses `num_prefix` (the range's end); a whole chunk loads and scores without
+    masks (their per-key index arithmetic and compares were a quarter of the loop body's
+    instructions). FP8_QK: q holds e4m3 codes and the keys enter the score dot as loaded
+    (qk_scale carries each row's scale)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < num_prefix
     offs_d = tl.arange(0, D)
-    slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-    k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+    if MASKED:
+        mask_n = offs_n < num_prefix
+        seen = mask_n[None, :]
+        slots = tl.load(idx_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k_ptrs = k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+    else:
+        seen = None
+        slots = tl.load(idx_ptr + offs_n).to(tl.int64)
+        k = tl.load(k_cache_ptr + kc_head + slots[:, None] * kc_stride_s + offs_d[None, :])
     if not FP8_QK:
         k = _operand(k, F16, INTERPRET)
-    s = _scores(tl.dot(q, tl.trans(k)), qk_scale, cap_log2, SOFTCAP)  # [BLOCK_M, BLOCK_N]
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_new, alpha, p = _softmax_step(tl.dot(q, tl.trans(k)), seen, m_i, qk_scale, cap_log2,
+                                    SOFTCAP, MASKED, FP8_QK)  # fmt: skip
     v_ptrs = v_cache_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
-    v = _operand(tl.load(v_ptrs, mask=mask_n[:, None], other=0.0), F16, INTERPRET)
-    acc = acc * alpha[:, None] + tl.dot(_operand(p, F16, INTERPRET), v)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(_operand(p, F16, INTERPRET), _operand(v, F16, INTERPRET))
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
 
 
@@ -223,34 +256,11 @@ def _beam_cascade_attention_kernel(
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    prefix_start = tl.load(prefix_indptr_ptr + req)
-    num_prefix = tl.load(prefix_indptr_ptr + req + 1) - prefix_start
-    # this program's prompt range [lo, hi): whole BLOCK_N chunks, the last split the remainder
-    per_split = tl.cdiv(tl.cdiv(num_prefix, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, num_prefix)
-    idx_ptr = prefix_idx_ptr + prefix_start
     kc_head, vc_head = kv_head.to(tl.int64) * kc_stride_h, kv_head.to(tl.int64) * vc_stride_h
-    if INTERPRET:
-        # The interpreter cannot take a loaded scalar as a range() bound (int() of a 1-element
-        # array fails under numpy >= 2.4); a while loop only needs its truth value.
-        n0 = lo
-        while n0 < hi:
-            m_i, l_i, acc = _prefix_chunk(
-                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
-                INTERPRET, SOFTCAP, F16, FP8_QK,
-            )  # fmt: skip
-            n0 += BLOCK_N
-    else:
-        for n0 in range(lo, hi, BLOCK_N):  # a for loop, so the compiler pipelines loads
-            m_i, l_i, acc = _prefix_chunk(
-                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
-                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
-                INTERPRET, SOFTCAP, F16, FP8_QK,
-            )  # fmt: skip
-
-    if split == 0:  # the rows' own slots, once (split 0 always has prompt slots too)
+    # The rows' own slots first (split 0's program), so the bf16 query tile they score is dead
+    # before the prompt loop: kept live across it beside the dot's operand, it made the
+    # registers spill around the loop (248-616 bytes a thread, sm_90).
+    if split == 0:
         if FP8_QK:  # the own slots score the rounded queries the prompt's dot saw
             q_f32 = q_dot.to(tl.float32)
         else:
@@ -261,6 +271,38 @@ def _beam_cascade_attention_kernel(
                 q_f32, k_cache_ptr, v_cache_ptr, slot_ptrs, mask_m, kc_head, vc_head,
                 kc_stride_s, vc_stride_s, m_i, l_i, acc, slot_scale, cap_log2, D, SOFTCAP,
             )  # fmt: skip
+    prefix_start = tl.load(prefix_indptr_ptr + req)
+    num_prefix = tl.load(prefix_indptr_ptr + req + 1) - prefix_start
+    # this program's prompt range [lo, hi): whole BLOCK_N chunks, the last split the remainder
+    per_split = tl.cdiv(tl.cdiv(num_prefix, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, num_prefix)
+    idx_ptr = prefix_idx_ptr + prefix_start
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # whole chunks [lo, full), then at most one part
+    if INTERPRET:
+        # The interpreter cannot take a loaded scalar as a range() bound (int() of a 1-element
+        # array fails under numpy >= 2.4); a while loop only needs its truth value.
+        n0 = lo
+        while n0 < full:
+            m_i, l_i, acc = _prefix_chunk(
+                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
+                INTERPRET, SOFTCAP, F16, FP8_QK, False,
+            )  # fmt: skip
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, full, BLOCK_N):  # a for loop, so the compiler pipelines loads
+            m_i, l_i, acc = _prefix_chunk(
+                q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, n0, hi, kc_head, vc_head,
+                kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
+                INTERPRET, SOFTCAP, F16, FP8_QK, False,
+            )  # fmt: skip
+    if full < hi:
+        m_i, l_i, acc = _prefix_chunk(
+            q_dot, k_cache_ptr, v_cache_ptr, idx_ptr, full, hi, kc_head, vc_head,
+            kc_stride_s, vc_stride_s, m_i, l_i, acc, chunk_scale, cap_log2, D, BLOCK_N,
+            INTERPRET, SOFTCAP, F16, FP8_QK, True,
+        )  # fmt: skip
 
     if SPLITS == 1:
         o = acc / l_i[:, None]

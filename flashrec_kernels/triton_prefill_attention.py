@@ -32,7 +32,7 @@ from .triton_beam_attention import (
     _fp8_query_rows,
     _operand,
     _query_operand,
-    _scores,
+    _softmax_step,
     auto_num_splits,
     check_fp8_scores,
     merge_splits,
@@ -82,15 +82,13 @@ def _chunk(
         qk = tl.dot(q, tl.trans(k))
     else:
         qk = tl.dot(q, tl.trans(_operand(k, F16, INTERPRET)))
-    s = _scores(qk, qk_scale, cap_log2, SOFTCAP)
     if MASKED:
         seen = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
         if WINDOW:
             seen = seen & (offs_n[None, :] > pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    else:
+        seen = None
+    m_new, alpha, p = _softmax_step(qk, seen, m_i, qk_scale, cap_log2, SOFTCAP, MASKED, FP8_QK)
     v_ptrs = v_ptr + vc_head + slots[:, None] * vc_stride_s + offs_d[None, :]
     if MASKED:
         v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)

@@ -5,8 +5,11 @@ time `forward` with `triton.testing.do_bench`, which uses CUDA events).
 
 Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8,192 beam rows per
 step (requests = 8192 // n), a level-2 step (2 own slots per beam); then the small waves of a
-loaded server (`_small_waves`: n=50, 1-8 requests, every split count forced). Usage (on the GPU):
-    python scripts/bench_attention.py [OUT_DIR] [--kv bf16]
+loaded server (`_small_waves`: n=50, 1-8 requests, every split count forced). With --defaults
+only the Triton kernel's default launch is timed, and its output's max |diff| to FlashInfer's
+cascade recorded: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs it on both). Usage
+(on the GPU):
+    python scripts/bench_attention.py [OUT_DIR] [--kv bf16] [--defaults]
 """
 
 from __future__ import annotations
@@ -120,9 +123,38 @@ def _flashinfer(kv_dtype: torch.dtype, cascade: bool) -> FlashInferAttentionBack
     )  # fmt: skip
 
 
+def defaults_only(kv_dtype: torch.dtype, out: Path) -> None:
+    """The Triton kernel's default launch at every shape of `main` and of `_small_waves`, each
+    beside the max |diff| of its output to FlashInfer's cascade over the same KV (untimed): a
+    kernel tree that computes something else shows it here, not only in its tests."""
+    rows = []
+    print(f"{'n':>5} {'prompt':>6} {'requests':>8} {'triton ms':>9} {'max |diff|':>10}")
+    shapes = [(n, prompt, None) for n in (64, 256, 512) for prompt in (512, 1024, 2048)]
+    for n, prompt, requests in shapes + [(50, 1024, r) for r in SMALL_WAVE_REQUESTS]:
+        step, slots, pool, q = _layer(kv_dtype, n, prompt, requests)
+        cascade = _flashinfer(kv_dtype, cascade=True)
+        reference = _forward(cascade, step, pool, q)().float()
+        beam = TritonBeamAttention(cascade, DEV, ROWS, slots + 1)
+        diff = float((_forward(beam, step, pool, q)().float() - reference).abs().max())
+        ms = _time(beam, step, pool, q)
+        reqs = requests or ROWS // n
+        rows.append({"n": n, "prompt": prompt, "requests": reqs, "triton_ms": ms,
+                     "max_abs_diff_to_cascade": diff})  # fmt: skip
+        print(f"{n:>5} {prompt:>6} {reqs:>8} {ms:>9.4f} {diff:>10.4f}", flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    name = "bf16" if kv_dtype == torch.bfloat16 else "fp8"
+    (out / f"bench_attention_defaults_{name}.json").write_text(
+        json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows})
+    )
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
+    if "--defaults" in sys.argv:
+        defaults_only(kv_dtype, out)
+        return
     variants = {name: arguments for name, arguments in VARIANTS.items()
                 if kv_dtype == torch.float8_e4m3fn or not arguments.get("fp8_scores")}  # fmt: skip
     results = []

@@ -260,9 +260,20 @@ for what in "${@:-tests}"; do
     gemm)  # the model's FP8 GEMMs alone by row count (scripts/bench_gemm.py): small waves' cost
       timeout "$(left)" python3 scripts/bench_gemm.py "$out" 2>&1 | tail -12 ;;
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
-      # ATTENTION_KV: the KV dtypes to run (default both; each compiles its FlashInfer kernels)
+      # ATTENTION_KV: the KV dtypes to run (default both; each compiles its FlashInfer kernels).
+      # KERNELS_BASE=DIR (as for elementwise): the Triton kernel's default launch only, the base
+      # tree's first (into $out/base), each with its max |diff| to FlashInfer's cascade
       for kv in ${ATTENTION_KV:-fp8 bf16}; do
-        timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv"
+        if [[ -n ${KERNELS_BASE:-} ]]; then
+          mkdir -p "$out/base"
+          echo "--- base kernels ($KERNELS_BASE), $kv"
+          PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 \
+            scripts/bench_attention.py "$out/base" --kv "$kv" --defaults
+          echo "--- this tree's kernels, $kv"
+          timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv" --defaults
+        else
+          timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv"
+        fi
       done ;;
     e2e|e2e-engine|e2e-server)  # what users run: Engine.generate on a checkpoint dir, flashrec serve under load
       ensure_checkpoint

@@ -135,6 +135,29 @@ def instruction_mix(sass_text: str) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BACK_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+
+
+def loop_bodies(sass_text: str) -> list[dict[str, int]]:
+    """The instruction mix of each loop of a SASS listing, in listing order: the lines from a
+    label to a branch back to it. A loop's body runs once an iteration, so these are the
+    counts that scale with the trip count (the beam kernel's prompt loop: one 128-key chunk an
+    iteration). An inner loop's lines are counted in the outer loop's body too."""
+    lines = sass_text.splitlines()
+    seen: dict[str, int] = {}
+    bodies = []
+    for i, line in enumerate(lines):
+        label = _LABEL.match(line)
+        if label:
+            seen[label.group(1)] = i
+            continue
+        branch = _BACK_BRANCH.search(line)
+        if branch and branch.group(1) in seen and i - seen[branch.group(1)] > 1:  # not a trap
+            bodies.append(instruction_mix("\n".join(lines[seen[branch.group(1)] : i + 1])))
+    return bodies
+
+
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill bytes) of the PTX's one kernel, from Triton's bundled ptxas -v (the
     compiled kernel's own counts come from the driver, which needs a GPU)."""

@@ -1,7 +1,9 @@
-"""Static SASS instruction counts of the fused elementwise kernels' default launches at the bench
-preset's shapes (Qwen3-1.7B: hidden 2048, intermediate 6144, 16 q / 8 KV heads of 128), compiled
-for sm_90 on a machine without a GPU (`flashrec_kernels.gpu_compile`: Triton's compiler, its
-bundled ptxas and nvdisasm).
+"""Static SASS instruction counts of the fused elementwise kernels' and the attention kernels'
+default launches at the bench preset's shapes (Qwen3-1.7B: hidden 2048, intermediate 6144, 16 q
+/ 8 KV heads of 128, an FP8 cache), compiled for sm_90 on a machine without a GPU
+(`flashrec_kernels.gpu_compile`: Triton's compiler, its bundled ptxas and nvdisasm). For a
+kernel with loops, each loop body's count too: the part that runs once per iteration (the
+attention kernels' key chunks).
 
 A kernel meant to run at memory bandwidth can be bound by instruction issue instead: an H100
 issues four warp instructions per SM per cycle, so W warps of I instructions each take about
@@ -20,8 +22,15 @@ from pathlib import Path
 
 import torch
 
-from flashrec_kernels import triton_quant, triton_rms_norm, triton_rope, triton_silu_mul
-from flashrec_kernels.gpu_compile import compiled_launches, instruction_mix, sass
+from flashrec_kernels import (
+    triton_beam_attention,
+    triton_prefill_attention,
+    triton_quant,
+    triton_rms_norm,
+    triton_rope,
+    triton_silu_mul,
+)
+from flashrec_kernels.gpu_compile import compiled_launches, instruction_mix, loop_bodies, sass
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM = 2048, 6144, 16, 8, 128
 TOKENS = 8192  # a beam step or a prefill chunk: the launch the engine runs most
@@ -42,6 +51,17 @@ def launch_all() -> None:
     norms = (torch.ones(HEAD_DIM, dtype=bf16), torch.ones(HEAD_DIM, dtype=bf16))
     triton_rope.launch_rope_norm_store(q, k, v, slots, torch.zeros(4096, HEAD_DIM), cache,
                                        cache.clone(), slots, norms, 1e-6, HEAD_DIM)  # fmt: skip
+    # the beam kernel's unsplit launch as an H100 / H200 takes it (5 stages over an FP8 cache:
+    # `unsplit_stages` asks the GPU, so it is given here), and the prefill kernel's default
+    i32 = torch.int32
+    ptr = torch.tensor([0, TOKENS], dtype=i32)
+    out = torch.zeros(TOKENS, Q_HEADS, HEAD_DIM, dtype=bf16)
+    triton_beam_attention.launch_beam_cascade_attention(
+        q, cache, cache.clone(), ptr, torch.zeros(1024, dtype=i32), ptr,
+        torch.zeros(TOKENS, 2, dtype=i32), 0.088, TOKENS, out, num_splits=1, num_stages=5)  # fmt: skip
+    triton_prefill_attention.launch_prefill_attention(
+        q, cache, cache.clone(), ptr, ptr, torch.zeros(TOKENS, dtype=i32),
+        torch.zeros(2, 2, dtype=i32), 0.088, out, None, None, 128, num_splits=1)  # fmt: skip
 
 
 def main() -> None:
@@ -57,6 +77,9 @@ def main() -> None:
         top = ", ".join(f"{op} {n}" for op, n in list(mix.items())[: args.top])
         print(f"{launch.kernel}: {sum(mix.values())} instructions, {launch.registers} registers")
         print(f"  {top}")
+        for body in loop_bodies(listing):
+            loop_top = ", ".join(f"{op} {n}" for op, n in list(body.items())[: args.top])
+            print(f"  loop body: {sum(body.values())} instructions: {loop_top}")
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
             (args.dump / f"{launch.kernel}.sass").write_text(listing)

@@ -166,6 +166,31 @@ def test_kernel_sass_script_counts_each_elementwise_kernel() -> None:
     script = Path(__file__).parents[2] / "scripts" / "kernel_sass.py"
     proc = run_compile_script(script.read_text())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    for kernel in ("per_token_quant", "rms_norm", "silu_mul", "rope_norm_store"):
-        line = next((x for x in proc.stdout.splitlines() if kernel in x), None)
+    lines = proc.stdout.splitlines()
+    for kernel in ("per_token_quant", "rms_norm", "silu_mul", "rope_norm_store", "beam_cascade",
+                   "prefill_attention"):  # fmt: skip
+        line = next((x for x in lines if kernel in x), None)
         assert line is not None and " instructions, " in line, proc.stdout
+    # the beam kernel's prompt loop, one 128-key chunk an iteration: 997 instructions a thread
+    # before session 41 took the whole chunks' masks and the scale's multiply out, 632 after;
+    # both dots on the tensor cores (16 HGMMA)
+    beam = lines.index(next(x for x in lines if x.startswith("_beam_cascade_attention_kernel")))
+    loop = lines[beam + 2]
+    assert loop.startswith("  loop body: ") and "HGMMA 16" in loop, proc.stdout
+    assert int(loop.split()[2]) <= 700, loop
+
+
+def test_loop_bodies_of_a_listing() -> None:
+    """gpu_compile.loop_bodies: the lines from a label to a branch back to it, once per loop; a
+    forward branch and a trap (a label branching to itself) are no loops."""
+    from flashrec_kernels.gpu_compile import loop_bodies
+
+    def op(i: int, text: str) -> str:
+        return f"        /*{i * 16:04x}*/                   {text} ;"
+
+    listing = "\n".join([
+        op(0, "MOV R1, RZ"), ".L_x_0:", op(1, "FADD R2, R2, R3"), op(2, "FADD R2, R2, R3"),
+        op(3, "@P0 BRA `(.L_x_1)"), op(4, "FMUL R2, R2, R3"), ".L_x_1:",
+        op(5, "@!P1 BRA `(.L_x_0)"), ".L_x_2:", op(6, "BRA `(.L_x_2)"),
+    ])  # fmt: skip
+    assert loop_bodies(listing) == [{"FADD": 2, "BRA": 2, "FMUL": 1}]

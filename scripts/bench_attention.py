@@ -7,9 +7,10 @@ Shape: Qwen3-1.7B attention (16 q / 8 kv heads, head_dim 128), FP8 or BF16 KV, 8
 step (requests = 8192 // n), a level-2 step (2 own slots per beam); then the small waves of a
 loaded server (`_small_waves`: n=50, 1-8 requests, every split count forced). With --defaults
 only the Triton kernel's default launch is timed, and its output's max |diff| to FlashInfer's
-cascade recorded: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs it on both). Usage
+cascade recorded: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs it on both; its
+ATTENTION_VARIANTS names VARIANTS to time beside the default on this tree). Usage
 (on the GPU):
-    python scripts/bench_attention.py [OUT_DIR] [--kv bf16] [--defaults]
+    python scripts/bench_attention.py [OUT_DIR] [--kv bf16] [--defaults [--variants=NAME,...]]
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # an experiment: the prompt's score dot on FP8 tensor cores, the queries rounded to e4m3 in
     # the kernel (FP8 caches only; its max |diff| to the default's output is in the JSON)
     "fp8 scores": {"fp8_scores": True},
+    # 64-row tiles on 4 warps: without spills (session 41) 245 registers, so two programs fit an
+    # SM's registers, and at 3-4 stages (82-99 KB) its shared memory: one program's softmax can
+    # run while the other's dots do
+    "m64 w4 s3": {"block_m": 64, "num_warps": 4, "block_n": 128, "num_stages": 3},
+    "m64 w4 s4": {"block_m": 64, "num_warps": 4, "block_n": 128, "num_stages": 4},
 }
 
 
@@ -123,12 +129,14 @@ def _flashinfer(kv_dtype: torch.dtype, cascade: bool) -> FlashInferAttentionBack
     )  # fmt: skip
 
 
-def defaults_only(kv_dtype: torch.dtype, out: Path) -> None:
+def defaults_only(kv_dtype: torch.dtype, out: Path, variants: list[str]) -> None:
     """The Triton kernel's default launch at every shape of `main` and of `_small_waves`, each
     beside the max |diff| of its output to FlashInfer's cascade over the same KV (untimed): a
-    kernel tree that computes something else shows it here, not only in its tests."""
+    kernel tree that computes something else shows it here, not only in its tests. `variants`
+    (names of VARIANTS) are timed beside it at the 8,192-row shapes."""
     rows = []
-    print(f"{'n':>5} {'prompt':>6} {'requests':>8} {'triton ms':>9} {'max |diff|':>10}")
+    print(f"{'n':>5} {'prompt':>6} {'requests':>8} {'triton ms':>9} {'max |diff|':>10} "
+          + "".join(f"{name:>10}" for name in variants))  # fmt: skip
     shapes = [(n, prompt, None) for n in (64, 256, 512) for prompt in (512, 1024, 2048)]
     for n, prompt, requests in shapes + [(50, 1024, r) for r in SMALL_WAVE_REQUESTS]:
         step, slots, pool, q = _layer(kv_dtype, n, prompt, requests)
@@ -137,10 +145,16 @@ def defaults_only(kv_dtype: torch.dtype, out: Path) -> None:
         beam = TritonBeamAttention(cascade, DEV, ROWS, slots + 1)
         diff = float((_forward(beam, step, pool, q)().float() - reference).abs().max())
         ms = _time(beam, step, pool, q)
+        others = {}
+        for name in variants if requests is None else ():
+            with _launch_with(**VARIANTS[name]):
+                others[name] = _time(beam, step, pool, q)
         reqs = requests or ROWS // n
         rows.append({"n": n, "prompt": prompt, "requests": reqs, "triton_ms": ms,
-                     "max_abs_diff_to_cascade": diff})  # fmt: skip
-        print(f"{n:>5} {prompt:>6} {reqs:>8} {ms:>9.4f} {diff:>10.4f}", flush=True)
+                     "max_abs_diff_to_cascade": diff,
+                     **{f"triton_{k.replace(' ', '_')}_ms": v for k, v in others.items()}})  # fmt: skip
+        print(f"{n:>5} {prompt:>6} {reqs:>8} {ms:>9.4f} {diff:>10.4f} "
+              + "".join(f"{v:>10.4f}" for v in others.values()), flush=True)  # fmt: skip
         del pool
         torch.cuda.empty_cache()
     name = "bf16" if kv_dtype == torch.bfloat16 else "fp8"
@@ -153,7 +167,8 @@ def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(".")
     kv_dtype = torch.bfloat16 if "--kv" in sys.argv and "bf16" in sys.argv else torch.float8_e4m3fn
     if "--defaults" in sys.argv:
-        defaults_only(kv_dtype, out)
+        named = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--variants=")), "")
+        defaults_only(kv_dtype, out, [name for name in named.split(",") if name])
         return
     variants = {name: arguments for name, arguments in VARIANTS.items()
                 if kv_dtype == torch.float8_e4m3fn or not arguments.get("fp8_scores")}  # fmt: skip

@@ -262,7 +262,8 @@ for what in "${@:-tests}"; do
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
       # ATTENTION_KV: the KV dtypes to run (default both; each compiles its FlashInfer kernels).
       # KERNELS_BASE=DIR (as for elementwise): the Triton kernel's default launch only, the base
-      # tree's first (into $out/base), each with its max |diff| to FlashInfer's cascade
+      # tree's first (into $out/base), each with its max |diff| to FlashInfer's cascade;
+      # ATTENTION_VARIANTS="NAME,..." (of the script's VARIANTS) timed beside this tree's
       for kv in ${ATTENTION_KV:-fp8 bf16}; do
         if [[ -n ${KERNELS_BASE:-} ]]; then
           mkdir -p "$out/base"
@@ -270,7 +271,8 @@ for what in "${@:-tests}"; do
           PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 \
             scripts/bench_attention.py "$out/base" --kv "$kv" --defaults
           echo "--- this tree's kernels, $kv"
-          timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv" --defaults
+          timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv" --defaults \
+            --variants="${ATTENTION_VARIANTS:-}"
         else
           timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv"
         fi

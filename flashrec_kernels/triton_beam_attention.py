@@ -276,7 +276,7 @@ def _beam_cascade_attention_kernel(
     # this program's prompt range [lo, hi): whole BLOCK_N chunks, the last split the remainder
     per_split = tl.cdiv(tl.cdiv(num_prefix, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
-    hi = tl.minimum(lo + per_split, num_prefix)
+    hi = tl.maximum(tl.minimum(lo + per_split, num_prefix), lo)  # a split past the prompt: empty
     idx_ptr = prefix_idx_ptr + prefix_start
     full = lo + (hi - lo) // BLOCK_N * BLOCK_N  # whole chunks [lo, full), then at most one part
     if INTERPRET:

@@ -186,6 +186,15 @@ serve_bench() {
   stop_server $srv; tail -3 "$out/serve$tag.log"
 }
 
+# on_base_kernels SCRIPT ARGS...: a bench script on KERNELS_BASE's flashrec_kernels (first on
+# PYTHONPATH) instead of this tree's, writing into $out/base: the base half of an A/B
+on_base_kernels() {
+  local script=$1; shift
+  mkdir -p "$out/base"
+  echo "--- base kernels ($KERNELS_BASE): $script $*"
+  PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 "$script" "$out/base" "$@"
+}
+
 for what in "${@:-tests}"; do
   (( $(remaining) > 15 )) || { echo "=== stage $what skipped: the call's deadline is near"; continue; }
   echo "=== stage $what ($(date +%T))"
@@ -246,10 +255,7 @@ for what in "${@:-tests}"; do
       # default launches only, base first, into $out/base and $out (E2E_AB can run the engine on
       # the base too: "PYTHONPATH=.ab/base:/tmp/site")
       if [[ -n ${KERNELS_BASE:-} ]]; then
-        mkdir -p "$out/base"
-        echo "--- base kernels ($KERNELS_BASE)"
-        PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 scripts/bench_elementwise.py \
-          "$out/base" --defaults 2>&1 | tail -20
+        on_base_kernels scripts/bench_elementwise.py --defaults 2>&1 | tail -20
         echo "--- this tree's kernels"
         timeout "$(left)" python3 scripts/bench_elementwise.py "$out" --defaults 2>&1 | tail -20
       else
@@ -266,10 +272,7 @@ for what in "${@:-tests}"; do
       # ATTENTION_VARIANTS="NAME,..." (of the script's VARIANTS) timed beside this tree's
       for kv in ${ATTENTION_KV:-fp8 bf16}; do
         if [[ -n ${KERNELS_BASE:-} ]]; then
-          mkdir -p "$out/base"
-          echo "--- base kernels ($KERNELS_BASE), $kv"
-          PYTHONPATH="$PWD/$KERNELS_BASE:$PYTHONPATH" timeout "$(left)" python3 \
-            scripts/bench_attention.py "$out/base" --kv "$kv" --defaults
+          on_base_kernels scripts/bench_attention.py --kv "$kv" --defaults
           echo "--- this tree's kernels, $kv"
           timeout "$(left)" python3 scripts/bench_attention.py "$out" --kv "$kv" --defaults \
             --variants="${ATTENTION_VARIANTS:-}"

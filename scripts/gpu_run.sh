@@ -157,9 +157,8 @@ serve_bench() {
   grep -o "device memory: .*" "$out/serve$tag.log" | head -1
   grep -o -E "engine thread: .*|small-row FP8 GEMM: .*" "$out/serve$tag.log" | sort -u
   # each phase sends 4x the concurrency, so the closed loop measures a steady state, not one
-  # burst (at n=50, 3x once gave 84% of Engine.generate where 4x gave 94%: its first and last
-  # waves, ramp-up and drain, weigh a third of it; session 42), and each open-loop rate runs
-  # long enough for a p99
+  # burst (at n=50, 3x once gave 84% of Engine.generate where 4x on the same machine gave 94%,
+  # session 42), and each open-loop rate runs long enough for a p99
   # SERVER_SPECS: N:REQUESTS:CONCURRENCY per phase; SERVER_RATES: the open-loop rates (fractions
   # of the closed loop's throughput). Saturation means full waves: 800 n=50 requests in flight
   # keep ~160-request waves (8,192 beam rows) admitted as Engine.generate's are; 400 left them at

@@ -5,7 +5,10 @@ For each `flashrec.<phase>` range of the engine thread (engine/trace.py) it repo
 time a loop iteration spent in the phase and the GPU time of the kernels and copies launched
 from it (matched through their CUDA correlation ids, CUDA graph replays included), and for the
 whole window how busy the GPU was: whether an iteration is bound by the host or the device,
-and by which phase. Usage:
+and by which phase. Also per phase: the host-to-device copies from pageable memory it issued
+(staged by the driver on the host thread; pinned memory makes them true async copies), and the
+GPU idle time spent waiting for its work (gaps over 20 us before an operation it launched).
+Usage:
 
     python -m flashrec_core.bench.trace_summary TRACE.trace.json.gz [--json OUT]
 """
@@ -24,6 +27,9 @@ from typing import Any
 
 PREFIX = "flashrec."
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LONG_GAP_US = 20.0
+"""GPU idle gaps longer than this are host work the GPU waited for; shorter ones are the
+boundaries between kernels (about 1-2 us each, inside CUDA graphs too)."""
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
@@ -48,6 +54,17 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
         total += end - max(start, reach)
         reach = end
     return total
+
+
+def _idle_gaps(spans: list[tuple[float, float, Any]]) -> list[tuple[float, Any]]:
+    """The GPU's idle gaps between [start, end) spans (each with a tag), in order: (gap us, tag
+    of the span that ended the gap)."""
+    gaps, reach = [], None
+    for start, end, tag in sorted(spans, key=lambda span: span[0]):
+        if reach is not None and start > reach:
+            gaps.append((start - reach, tag))
+        reach = end if reach is None else max(reach, end)
+    return gaps
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -91,11 +108,18 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 graph_launches[where[1]] += 1
     gpu = [e for e in complete if e.get("cat") in GPU_CATEGORIES]
     gpu_ms: dict[str, float] = defaultdict(float)
+    pageable: Counter[str] = Counter()
     by_kernel: Counter[str] = Counter()
-    for e in gpu:
+
+    def phase_of(e: dict[str, Any]) -> str:
         where = launches.get((e.get("args") or {}).get("correlation"))
-        gpu_ms[where[1] if where is not None else "outside the loop"] += e["dur"] / 1e3
+        return where[1] if where is not None else "outside the loop"
+
+    for e in gpu:
+        gpu_ms[phase_of(e)] += e["dur"] / 1e3
         by_kernel[e["name"][:90]] += e["dur"] / 1e3
+        if "Pageable" in e["name"] and "HtoD" in e["name"]:
+            pageable[phase_of(e)] += 1
     host_ms: dict[str, float] = defaultdict(float)
     for p in phases:
         host_ms[p["name"][len(PREFIX) :]] += p["dur"] / 1e3
@@ -104,8 +128,17 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     count = len(iterations)
     lo, hi = iterations[0]["ts"], iterations[-1]["ts"] + iterations[-1]["dur"]
     window_us = hi - lo
-    busy = _union_us([(e["ts"], min(hi, e["ts"] + e["dur"])) for e in gpu if lo <= e["ts"] <= hi])
-    names = sorted(set(host_ms) | set(gpu_ms), key=lambda k: -host_ms.get(k, 0.0))
+    inside = [e for e in gpu if lo <= e["ts"] <= hi]
+    busy = _union_us([(e["ts"], min(hi, e["ts"] + e["dur"])) for e in inside])
+    # Idle time inside the window, by the phase that launched the work the GPU then waited
+    # for (a gap before an upload of the admission: the host was still building its inputs).
+    # Gaps of a few us are kernel boundaries (inside a graph too); longer ones, host work.
+    gaps = _idle_gaps([(e["ts"], e["ts"] + e["dur"], phase_of(e)) for e in inside])
+    long_gaps = [(us, phase) for us, phase in gaps if us > LONG_GAP_US]
+    idle_by_phase: dict[str, float] = defaultdict(float)
+    for us, phase in long_gaps:
+        idle_by_phase[phase] += us / 1e3
+    names = sorted(set(host_ms) | set(gpu_ms) | set(pageable), key=lambda k: -host_ms.get(k, 0.0))
     return {
         "iterations": count,
         "window_ms": window_us / 1e3,
@@ -121,8 +154,16 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 "host_ms_per_iteration": host_ms.get(k, 0.0) / count,
                 "gpu_ms_per_iteration": gpu_ms.get(k, 0.0) / count,
                 "graph_launches_per_iteration": graph_launches.get(k, 0) / count,
+                "pageable_uploads_per_iteration": pageable.get(k, 0) / count,
+                "gpu_idle_before_ms_per_iteration": idle_by_phase.get(k, 0.0) / count,
             }
             for k in names
+        },
+        "gpu_idle": {
+            "long_gaps": len(long_gaps),
+            "long_gaps_ms": sum(us for us, _ in long_gaps) / 1e3,
+            "short_gaps": len(gaps) - len(long_gaps),
+            "short_gaps_ms": sum(us for us, _ in gaps if us <= LONG_GAP_US) / 1e3,
         },
         "top_kernels_ms": dict(by_kernel.most_common(15)),
     }
@@ -131,18 +172,25 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(s: dict[str, Any]) -> str:
     it = s["iteration_ms"]
     gpu = s["gpu_busy_share"]
+    idle = s["gpu_idle"]
     lines = [
         f"{s['iterations']} iterations in {s['window_ms']:.1f} ms: engine thread busy "
         f"{s['engine_busy_share']:.0%}, "
         + (f"GPU busy {gpu:.0%}" if gpu is not None else "no GPU activity traced")
         + f"; an iteration "
         f"{it['mean']:.2f} ms mean, p50 {it['p50']:.2f}, p99 {it['p99']:.2f}",
-        f"{'phase':<18}{'host ms/iter':>14}{'GPU ms/iter':>14}{'graph replays/iter':>20}",
+        f"GPU idle gaps over {LONG_GAP_US:.0f} us: {idle['long_gaps']}, "
+        f"{idle['long_gaps_ms']:.2f} ms; shorter (kernel boundaries): {idle['short_gaps']}, "
+        f"{idle['short_gaps_ms']:.2f} ms",
+        f"{'phase':<18}{'host ms/iter':>14}{'GPU ms/iter':>14}{'graph replays/iter':>20}"
+        f"{'pageable uploads/iter':>23}{'GPU idle before/iter':>22}",
     ]
     for name, p in s["phases"].items():
         lines.append(
             f"{name:<18}{p['host_ms_per_iteration']:>14.3f}{p['gpu_ms_per_iteration']:>14.3f}"
             f"{p['graph_launches_per_iteration']:>20.2f}"
+            f"{p['pageable_uploads_per_iteration']:>23.2f}"
+            f"{p['gpu_idle_before_ms_per_iteration']:>22.3f}"
         )
     lines.append("GPU time by kernel (ms in the window):")
     lines += [f"  {ms:9.2f}  {name}" for name, ms in s["top_kernels_ms"].items()]

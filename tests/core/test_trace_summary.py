@@ -52,7 +52,12 @@ def test_summary_attributes_gpu_time_to_the_launching_phase(tmp_path: Path) -> N
         "host_ms_per_iteration": pytest.approx(0.004),
         "gpu_ms_per_iteration": pytest.approx(0.006),
         "graph_launches_per_iteration": 1.0,
+        "pageable_uploads_per_iteration": 0.0,
+        "gpu_idle_before_ms_per_iteration": 0.0,
     }
+    # idle 14-15 (before k_other) and 17-22 (before the second step): kernel boundaries
+    assert s["gpu_idle"] == {"long_gaps": 0, "long_gaps_ms": 0.0, "short_gaps": 2,
+                             "short_gaps_ms": pytest.approx(0.006)}  # fmt: skip
     assert phases["admit"]["gpu_ms_per_iteration"] == pytest.approx(0.006)
     assert phases["admit"]["graph_launches_per_iteration"] == 0.0
     assert phases["results"]["host_ms_per_iteration"] == pytest.approx(0.001)
@@ -60,6 +65,34 @@ def test_summary_attributes_gpu_time_to_the_launching_phase(tmp_path: Path) -> N
     assert phases["outside the loop"]["gpu_ms_per_iteration"] == pytest.approx(0.001)
     assert s["top_kernels_ms"]["k_prefill"] == pytest.approx(0.012)
     assert "2 iterations" in format_summary(s)
+
+
+def test_idle_gpu_is_charged_to_the_phase_whose_work_it_waited_for() -> None:
+    """An iteration whose admission built its inputs for 40 us with the GPU drained: the
+    upload that ended the wait is a pageable copy the admission issued."""
+    events = [
+        _x("flashrec.iteration", 0, 100),
+        _x("flashrec.step", 0, 10),
+        _x("cudaGraphLaunch", 1, 1, "cuda_runtime", correlation=1),
+        _x("k_step", 2, 8, "kernel", tid=0, correlation=1),
+        _x("flashrec.admit", 10, 80),
+        _x("cudaMemcpyAsync", 49, 1, "cuda_runtime", correlation=2),
+        _x("Memcpy HtoD (Pageable -> Device)", 50, 2, "gpu_memcpy", tid=0, correlation=2),
+        _x("cudaMemcpyAsync", 52, 1, "cuda_runtime", correlation=3),
+        _x("Memcpy HtoD (Pinned -> Device)", 53, 1, "gpu_memcpy", tid=0, correlation=3),
+        _x("cudaLaunchKernel", 60, 1, "cuda_runtime", correlation=4),
+        _x("k_prefill", 61, 30, "kernel", tid=0, correlation=4),
+    ]
+    s = summarize(events)
+    admit, step = s["phases"]["admit"], s["phases"]["step"]
+    assert admit["pageable_uploads_per_iteration"] == 1.0  # the pinned copy does not count
+    assert admit["gpu_idle_before_ms_per_iteration"] == pytest.approx(0.040)  # 10 -> 50 us
+    assert step["gpu_idle_before_ms_per_iteration"] == 0.0
+    # 52 -> 53 and 54 -> 61: under the 20 us of a long gap
+    assert s["gpu_idle"] == {"long_gaps": 1, "long_gaps_ms": pytest.approx(0.040),
+                             "short_gaps": 2, "short_gaps_ms": pytest.approx(0.008)}  # fmt: skip
+    text = format_summary(s)
+    assert "GPU idle gaps over 20 us: 1, 0.04 ms" in text and "pageable uploads/iter" in text
 
 
 def test_a_trace_without_gpu_activity_says_so() -> None:

@@ -50,6 +50,7 @@ from flashrec_core.attention.step import StepInput
 from flashrec_core.attention.torch_ref import TorchAttentionBackend
 from flashrec_core.kvcache.pool import KVPool
 from flashrec_core.spec import AttentionSpec
+from flashrec_core.uploads import upload
 from flashrec_kernels import copy_kv_rows, copy_kv_rows_ref
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class FreshPrefillAttention(BackendWrapper):
             )
             count = state["context_count"] if self._triton_copies else None
         else:
-            own, rows, slots = (t.to(self.device, non_blocking=True) for t in (own, rows, slots))
+            own, rows, slots = (upload(t, self.device) for t in (own, rows, slots))
             buffers, count = None, None
             if layout.context_rows.size:
                 size = (layout.num_rows, *self.shape[1:])

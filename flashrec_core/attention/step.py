@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashrec_core.uploads import upload
+
 
 @dataclass(frozen=True)
 class SharedPrefix:
@@ -33,16 +35,16 @@ def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
     device = sp.suffix_kv_indices.device
     rows_per_req = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
     req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req)
-    req = req.to(device, non_blocking=True)
-    prefix_ptr = sp.prefix_kv_indptr.to(device, non_blocking=True)
-    suffix_ptr = sp.suffix_kv_indptr.to(device, non_blocking=True)
+    req = upload(req, device)
+    prefix_ptr = upload(sp.prefix_kv_indptr, device)
+    suffix_ptr = upload(sp.suffix_kv_indptr, device)
     prefix_len = (prefix_ptr[1:] - prefix_ptr[:-1])[req]
     kv_len = prefix_len + (suffix_ptr[1:] - suffix_ptr[:-1])
     rows = torch.repeat_interleave(torch.arange(req.numel(), device=device), kv_len)
     starts = torch.cumsum(kv_len, 0) - kv_len
     pos = torch.arange(rows.numel(), device=device) - starts[rows]  # position within the row
     in_prefix = pos < prefix_len[rows]
-    prefix = sp.prefix_kv_indices.to(device, non_blocking=True)
+    prefix = upload(sp.prefix_kv_indices, device)
     from_prefix = prefix[(prefix_ptr[req][rows] + pos).clamp(max=max(prefix.numel() - 1, 0))]
     from_suffix = sp.suffix_kv_indices[
         (suffix_ptr[rows] + pos - prefix_len[rows]).clamp(

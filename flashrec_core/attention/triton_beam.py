@@ -31,6 +31,7 @@ from flashrec_core.attention.base import (
 )
 from flashrec_core.attention.step import dense_suffix
 from flashrec_core.spec import AttentionSpec
+from flashrec_core.uploads import upload
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
@@ -127,9 +128,9 @@ class TritonBeamAttention(BackendWrapper):
         if buf is None or graph is None:
             widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync
             return BeamKernelMetadata(
-                parts["prefix_indptr"].to(dev, non_blocking=True),
+                upload(parts["prefix_indptr"], dev),
                 parts["prefix_indices"],
-                parts["row_indptr"].to(dev, non_blocking=True),
+                upload(parts["row_indptr"], dev),
                 parts["suffix"].view(rows, suffix_len),
                 int(widths.max()),
             )

@@ -69,8 +69,8 @@ def dense_suffix(sp: SharedPrefix, width: int | None = None) -> torch.Tensor:
         return flat.view(lens.numel(), width)
     col = torch.arange(width)
     used = col < lens[:, None]  # host [R, width]
-    take = torch.where(used, ptr[:-1, None] + col, 0).to(flat.device, non_blocking=True)
-    return torch.where(used.to(flat.device, non_blocking=True), flat[take], -1)
+    take = upload(torch.where(used, ptr[:-1, None] + col, 0), flat.device)
+    return torch.where(upload(used, flat.device), flat[take], -1)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from flashrec_core.attention.base import (
 )
 from flashrec_core.attention.step import dense_suffix
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.uploads import upload
+from flashrec_core.uploads import staged, upload
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
@@ -136,7 +136,7 @@ class TritonBeamAttention(BackendWrapper):
             )
         # Graph: copy into the fixed buffers the captured kernel reads.
         for name, value in parts.items():
-            buf[name][: value.numel()].copy_(value, non_blocking=True)
+            buf[name][: value.numel()].copy_(staged(value, self.device), non_blocking=True)
         return BeamKernelMetadata(
             buf["prefix_indptr"][: graph.num_requests + 1],
             buf["prefix_indices"],

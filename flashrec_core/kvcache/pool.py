@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flashrec_core.uploads import upload
+
 
 class OutOfSlotsError(RuntimeError):
     """The KV pool cannot hold what a request needs right now."""
@@ -103,7 +105,7 @@ class RequestTable:
                 "raise --max-context (EngineConfig.max_context)"
             )
         row = self._free_rows.pop()
-        self.slots[row, : slots.numel()] = slots.to(self.slots.device, non_blocking=True)
+        self.slots[row, : slots.numel()] = upload(slots, self.slots.device)
         self.lengths[row] = slots.numel()
         return row
 

@@ -39,7 +39,6 @@ import torch
 from flashrec_core.attention.base import LayerGroups, graph_index_buffers, window_shared_prefix
 from flashrec_core.attention.step import StepInput
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.uploads import upload
 
 if TYPE_CHECKING:
     from flashrec_core.layers.batch import ForwardBatch
@@ -381,7 +380,7 @@ def _i32(x: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """int32 copy for FlashInfer: host arrays stay on the host (the plan reads them there without
     a device sync); index lists move to `device` when given."""
     x = x.to(torch.int32)
-    return upload(x, device) if device is not None else x
+    return x.to(device, non_blocking=True) if device is not None else x
 
 
 def _ones(n: int) -> torch.Tensor:

@@ -50,7 +50,6 @@ from flashrec_core.attention.step import StepInput
 from flashrec_core.attention.torch_ref import TorchAttentionBackend
 from flashrec_core.kvcache.pool import KVPool
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.uploads import staged, upload
 from flashrec_kernels import copy_kv_rows, copy_kv_rows_ref
 
 if TYPE_CHECKING:
@@ -206,13 +205,11 @@ class FreshPrefillAttention(BackendWrapper):
                     f"{rows.numel()} context rows exceed the prefill graph's {room} "
                     "(check fits_prefill_graph before replaying)"
                 )
-            dev = state["own_rows"].device
-            state["own_rows"][: own.numel()].copy_(staged(own, dev), non_blocking=True)
+            state["own_rows"][: own.numel()].copy_(own, non_blocking=True)
             # The Triton copy stops at the count; the torch one copies the padding to the spare row.
-            context_rows = staged(_padded(rows, room, spare), dev)
-            state["context_rows"][:room].copy_(context_rows, non_blocking=True)
+            state["context_rows"][:room].copy_(_padded(rows, room, spare), non_blocking=True)
             padded_slots = _padded(slots, room, KVPool.PAD_SLOT)
-            state["context_slots"][:room].copy_(staged(padded_slots, dev), non_blocking=True)
+            state["context_slots"][:room].copy_(padded_slots, non_blocking=True)
             state["context_count"].fill_(rows.numel())
             buffers = (state["k"], state["v"])
             own, rows, slots = (
@@ -222,7 +219,7 @@ class FreshPrefillAttention(BackendWrapper):
             )
             count = state["context_count"] if self._triton_copies else None
         else:
-            own, rows, slots = (upload(t, self.device) for t in (own, rows, slots))
+            own, rows, slots = (t.to(self.device, non_blocking=True) for t in (own, rows, slots))
             buffers, count = None, None
             if layout.context_rows.size:
                 size = (layout.num_rows, *self.shape[1:])

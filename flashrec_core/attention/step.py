@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashrec_core.uploads import upload
-
 
 @dataclass(frozen=True)
 class SharedPrefix:
@@ -35,16 +33,16 @@ def flatten_shared_prefix(sp: SharedPrefix) -> torch.Tensor:
     device = sp.suffix_kv_indices.device
     rows_per_req = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]
     req = torch.repeat_interleave(torch.arange(rows_per_req.numel()), rows_per_req)
-    req = upload(req, device)
-    prefix_ptr = upload(sp.prefix_kv_indptr, device)
-    suffix_ptr = upload(sp.suffix_kv_indptr, device)
+    req = req.to(device, non_blocking=True)
+    prefix_ptr = sp.prefix_kv_indptr.to(device, non_blocking=True)
+    suffix_ptr = sp.suffix_kv_indptr.to(device, non_blocking=True)
     prefix_len = (prefix_ptr[1:] - prefix_ptr[:-1])[req]
     kv_len = prefix_len + (suffix_ptr[1:] - suffix_ptr[:-1])
     rows = torch.repeat_interleave(torch.arange(req.numel(), device=device), kv_len)
     starts = torch.cumsum(kv_len, 0) - kv_len
     pos = torch.arange(rows.numel(), device=device) - starts[rows]  # position within the row
     in_prefix = pos < prefix_len[rows]
-    prefix = upload(sp.prefix_kv_indices, device)
+    prefix = sp.prefix_kv_indices.to(device, non_blocking=True)
     from_prefix = prefix[(prefix_ptr[req][rows] + pos).clamp(max=max(prefix.numel() - 1, 0))]
     from_suffix = sp.suffix_kv_indices[
         (suffix_ptr[rows] + pos - prefix_len[rows]).clamp(
@@ -69,8 +67,8 @@ def dense_suffix(sp: SharedPrefix, width: int | None = None) -> torch.Tensor:
         return flat.view(lens.numel(), width)
     col = torch.arange(width)
     used = col < lens[:, None]  # host [R, width]
-    take = upload(torch.where(used, ptr[:-1, None] + col, 0), flat.device)
-    return torch.where(upload(used, flat.device), flat[take], -1)
+    take = torch.where(used, ptr[:-1, None] + col, 0).to(flat.device, non_blocking=True)
+    return torch.where(used.to(flat.device, non_blocking=True), flat[take], -1)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from flashrec_core.attention.base import (
 )
 from flashrec_core.attention.step import dense_suffix
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.uploads import staged, upload
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
@@ -128,15 +127,15 @@ class TritonBeamAttention(BackendWrapper):
         if buf is None or graph is None:
             widths = sp.prefix_qo_indptr[1:] - sp.prefix_qo_indptr[:-1]  # host: no device sync
             return BeamKernelMetadata(
-                upload(parts["prefix_indptr"], dev),
+                parts["prefix_indptr"].to(dev, non_blocking=True),
                 parts["prefix_indices"],
-                upload(parts["row_indptr"], dev),
+                parts["row_indptr"].to(dev, non_blocking=True),
                 parts["suffix"].view(rows, suffix_len),
                 int(widths.max()),
             )
         # Graph: copy into the fixed buffers the captured kernel reads.
         for name, value in parts.items():
-            buf[name][: value.numel()].copy_(staged(value, self.device), non_blocking=True)
+            buf[name][: value.numel()].copy_(value, non_blocking=True)
         return BeamKernelMetadata(
             buf["prefix_indptr"][: graph.num_requests + 1],
             buf["prefix_indices"],

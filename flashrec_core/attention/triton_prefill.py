@@ -31,7 +31,6 @@ from flashrec_core.attention.base import (
     graph_index_buffers,
 )
 from flashrec_core.spec import AttentionSpec
-from flashrec_core.uploads import staged, upload
 
 if TYPE_CHECKING:
     from flashrec_core.attention.base import AttentionBackend
@@ -110,12 +109,12 @@ class TritonPrefillAttention(BackendWrapper):
             ),
         }
         if graph is None:
-            return PrefillKernelPlan(**{k: upload(v, self.device) for k, v in parts.items()})
+            return PrefillKernelPlan(
+                **{k: v.to(self.device, non_blocking=True) for k, v in parts.items()}
+            )
         buf = self._graph_buffers(graph)
         for name, value in parts.items():
-            buf[name][: value.numel()].copy_(
-                staged(value.flatten(), self.device), non_blocking=True
-            )
+            buf[name][: value.numel()].copy_(value.flatten(), non_blocking=True)
         b = graph.num_sequences
         return PrefillKernelPlan(
             buf["qo_indptr"][: b + 1], buf["kv_indptr"][: b + 1], buf["kv_indices"],

@@ -13,7 +13,6 @@ from flashrec_core.engine.model_runner import SharedPrefix, StepInput
 from flashrec_core.engine.requests import GenerationRequest
 from flashrec_core.kvcache import KVPool
 from flashrec_core.search.beam import NEG_INF, BeamLayout, Selection, gumbel_noise
-from flashrec_core.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class StepShape:
             torch.arange(len(all_widths)), torch.tensor(all_widths)
         )
         pad = Padding(beams.num_rows, num_pad)
-        row_prompt_len = upload(lens, device)[beams.row_request]
+        row_prompt_len = lens.to(device, non_blocking=True)[beams.row_request]
         return cls(beams, pad, row_request, lens, row_prompt_len, pad.prompts(prompts))
 
 

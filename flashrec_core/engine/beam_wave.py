@@ -48,7 +48,6 @@ from flashrec_core.search.lm_head import RestrictedLMHead
 from flashrec_core.search.selector import BeamSelector
 from flashrec_core.search.sid_layout import SidLayout
 from flashrec_core.search.trie import Trie
-from flashrec_core.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -368,14 +367,14 @@ class BeamWave:
         state.shapes.clear()  # rows and prompts changed
         if not state.requests or state.sel is None:
             return
-        dev = upload(rows, self.runner.device)
+        dev = rows.to(self.runner.device, non_blocking=True)
         sel = state.sel
         state.sel = Selection(sel.parent[dev], sel.code[dev], sel.node[dev], sel.score[dev])
         state.codes, state.history = state.codes[dev], state.history[dev]
         state.path_scores = state.path_scores[dev]
         state.device_slots = state.device_slots[dev]
         state.layout = BeamLayout.create([r.n for r in state.requests], self.runner.device)
-        state.prompts = upload(torch.cat(state.prompt_slots), self.runner.device)
+        state.prompts = torch.cat(state.prompt_slots).to(self.runner.device, non_blocking=True)
         state.noise = NoiseSource(state.requests, self.runner.device)
         if state.masks is not None:
             kept = [i for i, k in enumerate(keep) if k]
@@ -455,7 +454,7 @@ class BeamWave:
             mixed = None
             if len(progress.chunks) == 1 and beside:
                 prefill = _prefill_step(progress, state.prompt_slots, progress.chunks[0])
-                last = upload(prefill.qo_indptr[1:] - 1, self.runner.device)
+                last = (prefill.qo_indptr[1:] - 1).to(self.runner.device, non_blocking=True)
                 mixed = self._mixed_forward(prefill, last, beside)
             if mixed is None:  # several forwards, or no graph for this mix: apart
                 return state, False
@@ -513,9 +512,9 @@ class BeamWave:
         )
         state.codes = state.sel.code[:, None]
         state.path_scores = state.sel.score[:, None]
-        state.device_slots = upload(state.decode_slots, device)
+        state.device_slots = state.decode_slots.to(device, non_blocking=True)
         state.history = state.device_slots[:, :0]
-        state.prompts = upload(torch.cat(state.prompt_slots), device)  # once
+        state.prompts = torch.cat(state.prompt_slots).to(device, non_blocking=True)  # once
         state.level = 1
         self._mark("prefill")
 
@@ -523,7 +522,7 @@ class BeamWave:
         """Hidden states of the last token of the step's `sequences` (those whose prompt ends
         in this step): by graph replay for small prefills."""
         ends = step.qo_indptr[1:] - 1
-        last = upload(ends[sequences], self.runner.device)
+        last = ends[sequences].to(self.runner.device, non_blocking=True)
         if self.prefill_graphs is not None:
             hidden = self.prefill_graphs.run(step, last)
             if hidden is not None:

@@ -61,7 +61,6 @@ from flashrec_core.search.beam import NEG_INF, BeamLayout, Selection
 from flashrec_core.search.filters import FilterMasks
 from flashrec_core.search.selector import BeamSelector
 from flashrec_core.search.trie import Trie
-from flashrec_core.uploads import staged
 
 if TYPE_CHECKING:
     from flashrec_core.attention.flashinfer import GraphAttention
@@ -499,10 +498,9 @@ class DecodeGraphs:
     def _copy_inputs(self, step: StepInput, start: int = 0) -> None:
         """The step's tokens, positions and slots into the input buffers from row `start`."""
         end = start + step.input_ids.numel()
-        dev = self._ids.device  # a prefill's inputs are host tensors, a step's on the device
-        self._ids[start:end].copy_(staged(step.input_ids, dev), non_blocking=True)
-        self._pos[start:end].copy_(staged(step.positions, dev), non_blocking=True)
-        self._loc[start:end].copy_(staged(step.out_cache_loc, dev), non_blocking=True)
+        self._ids[start:end].copy_(step.input_ids, non_blocking=True)
+        self._pos[start:end].copy_(step.positions, non_blocking=True)
+        self._loc[start:end].copy_(step.out_cache_loc, non_blocking=True)
 
     def _merged_body(
         self, shape: MergedShape, step: StepInput, parts: Sequence[MergedPart],

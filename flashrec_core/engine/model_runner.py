@@ -23,7 +23,6 @@ from flashrec_core.kvcache import KVPool, RadixCache, RequestTable, SlotAllocato
 from flashrec_core.layers import ForwardBatch
 from flashrec_core.registry import Registry
 from flashrec_core.spec import ModelConfig
-from flashrec_core.uploads import upload
 
 logger = logging.getLogger("flashrec")
 
@@ -94,9 +93,9 @@ class ModelRunner:
         dev = self.device
         metadata = self.attn_backend.plan(step)
         return self.forward_batch(
-            upload(step.input_ids, dev),
-            upload(step.positions, dev),
-            upload(step.out_cache_loc, dev),
+            step.input_ids.to(dev, non_blocking=True),
+            step.positions.to(dev, non_blocking=True),
+            step.out_cache_loc.to(dev, non_blocking=True),
             metadata,
         )
 
@@ -250,4 +249,4 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 def _cat_on(device: torch.device, parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenated on `device`: a prefill's inputs are built on the host, a beam step's tokens
     and slots on the device (no sync), and torch.cat takes one device."""
-    return torch.cat([upload(p, device) for p in parts])
+    return torch.cat([p.to(device, non_blocking=True) for p in parts])

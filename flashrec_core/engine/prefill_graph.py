@@ -35,7 +35,6 @@ from tqdm import tqdm
 from flashrec_core.attention.step import StepInput
 from flashrec_core.engine.graph_capture import record_graph
 from flashrec_core.kvcache.pool import KVPool
-from flashrec_core.uploads import staged
 
 if TYPE_CHECKING:
     from flashrec_core.config import EngineConfig
@@ -271,10 +270,9 @@ class PrefillGraphs:
         logged once)."""
         tokens, sequences, wrapped = key
         with torch.inference_mode():
-            dev = self._ids.device
-            self._ids[:tokens].copy_(staged(padded.input_ids, dev), non_blocking=True)
-            self._pos[:tokens].copy_(staged(padded.positions, dev), non_blocking=True)
-            self._loc[:tokens].copy_(staged(padded.out_cache_loc, dev), non_blocking=True)
+            self._ids[:tokens].copy_(padded.input_ids, non_blocking=True)
+            self._pos[:tokens].copy_(padded.positions, non_blocking=True)
+            self._loc[:tokens].copy_(padded.out_cache_loc, non_blocking=True)
         graph = self._graphs.get(key)
         if graph is not None:
             self.runner.attn_backend.plan(padded, graph=graph.attention)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from flashrec_core.uploads import upload
-
 
 class OutOfSlotsError(RuntimeError):
     """The KV pool cannot hold what a request needs right now."""
@@ -105,7 +103,7 @@ class RequestTable:
                 "raise --max-context (EngineConfig.max_context)"
             )
         row = self._free_rows.pop()
-        self.slots[row, : slots.numel()] = upload(slots, self.slots.device)
+        self.slots[row, : slots.numel()] = slots.to(self.slots.device, non_blocking=True)
         self.lengths[row] = slots.numel()
         return row
 

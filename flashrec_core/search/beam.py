@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from flashrec_core.search.trie import Trie
-from flashrec_core.uploads import upload
 from flashrec_kernels import TrieTopK, stable_topk, trie_topk, trie_topk_ref
 
 NEG_INF = float("-inf")
@@ -38,10 +37,9 @@ class BeamLayout:
         row_request = torch.repeat_interleave(torch.arange(len(widths)), w)
         offsets = torch.cumsum(w, 0) - w
         row_rank = torch.arange(int(w.sum())) - offsets[row_request]
-        # a blocking host-to-device copy waits for all queued GPU work (uploads.py)
-        return cls(
-            upload(w, device), upload(row_request, device), upload(row_rank, device), max(widths)
-        )
+        # non_blocking: a blocking host-to-device copy waits for all queued GPU work
+        copy = {"device": device, "non_blocking": True}
+        return cls(w.to(**copy), row_request.to(**copy), row_rank.to(**copy), max(widths))
 
     @property
     def num_rows(self) -> int:
@@ -131,4 +129,4 @@ def gumbel_noise(
             continue
         u = torch.rand((rows, width), generator=gen, dtype=torch.float64)
         parts.append(-torch.log(-torch.log(u.clamp(1e-300, 1.0 - 1e-16))) * temp)
-    return upload(torch.cat(parts).to(torch.float32), device)
+    return torch.cat(parts).to(torch.float32).to(device, non_blocking=True)

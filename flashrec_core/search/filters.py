@@ -26,7 +26,6 @@ import torch
 
 from flashrec_core.search.catalog import Catalog
 from flashrec_core.search.trie import Trie
-from flashrec_core.uploads import upload
 
 
 class FilterError(ValueError):
@@ -255,7 +254,7 @@ def _allowed_rows(
     # upload the requests' bits (1 MB of bools is 125 KB), unpacked on the device
     everything = np.full((num + 7) // 8, 0xFF, dtype=np.uint8)
     packed = np.stack([f.packed_sids if f is not None else everything for f in filters])
-    bits = upload(torch.from_numpy(packed), device)
+    bits = torch.from_numpy(packed).to(device, non_blocking=True)
     return unpack_bits(bits, num)
 
 

@@ -45,26 +45,17 @@ def _complete(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    """Total length covered by [start, end) spans."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
-
-
-def _idle_gaps(spans: list[tuple[float, float, Any]]) -> list[tuple[float, Any]]:
-    """The GPU's idle gaps between [start, end) spans (each with a tag), in order: (gap us, tag
-    of the span that ended the gap)."""
-    gaps, reach = [], None
+def _sweep(spans: list[tuple[float, float, Any]]) -> tuple[float, list[tuple[float, Any]]]:
+    """Over [start, end) spans, each with a tag: the total length they cover, and the gaps
+    between them in order as (gap us, tag of the span that ended the gap)."""
+    total, reach, gaps = 0.0, None, []
     for start, end, tag in sorted(spans, key=lambda span: span[0]):
         if reach is not None and start > reach:
             gaps.append((start - reach, tag))
-        reach = end if reach is None else max(reach, end)
-    return gaps
+        if reach is None or end > reach:
+            total += end - (start if reach is None else max(start, reach))
+            reach = end
+    return total, gaps
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -116,10 +107,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         return where[1] if where is not None else "outside the loop"
 
     for e in gpu:
-        gpu_ms[phase_of(e)] += e["dur"] / 1e3
+        phase = phase_of(e)
+        gpu_ms[phase] += e["dur"] / 1e3
         by_kernel[e["name"][:90]] += e["dur"] / 1e3
         if "Pageable" in e["name"] and "HtoD" in e["name"]:
-            pageable[phase_of(e)] += 1
+            pageable[phase] += 1
     host_ms: dict[str, float] = defaultdict(float)
     for p in phases:
         host_ms[p["name"][len(PREFIX) :]] += p["dur"] / 1e3
@@ -128,12 +120,13 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     count = len(iterations)
     lo, hi = iterations[0]["ts"], iterations[-1]["ts"] + iterations[-1]["dur"]
     window_us = hi - lo
-    inside = [e for e in gpu if lo <= e["ts"] <= hi]
-    busy = _union_us([(e["ts"], min(hi, e["ts"] + e["dur"])) for e in inside])
-    # Idle time inside the window, by the phase that launched the work the GPU then waited
-    # for (a gap before an upload of the admission: the host was still building its inputs).
-    # Gaps of a few us are kernel boundaries (inside a graph too); longer ones, host work.
-    gaps = _idle_gaps([(e["ts"], e["ts"] + e["dur"], phase_of(e)) for e in inside])
+    # Busy time inside the window, and the idle gaps, each by the phase that launched the work
+    # the GPU then waited for (a gap before an upload of the admission: the host was still
+    # building its inputs). Gaps of a few us are kernel boundaries (inside a graph too); longer
+    # ones, host work.
+    busy, gaps = _sweep(
+        [(e["ts"], min(hi, e["ts"] + e["dur"]), phase_of(e)) for e in gpu if lo <= e["ts"] <= hi]
+    )
     long_gaps = [(us, phase) for us, phase in gaps if us > LONG_GAP_US]
     idle_by_phase: dict[str, float] = defaultdict(float)
     for us, phase in long_gaps:

@@ -3,13 +3,14 @@ one program per token row, in two passes over chunks; ACT picks the activation o
 
 Intermediate sizes run to ~30k, too wide to hold a row in registers, so pass 1 finds the row's
 absmax and pass 2 recomputes silu * up (the row is still in L2) and stores the codes. On an H200
-this is about 1.6x faster than a whole-row block at I = 12288. The launch configuration (chunks
-of 2048, 8 warps) is the fastest that scripts/bench_elementwise.py found on an H100 at the
-bench preset's intermediate size (6144): 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162
-us with chunks of 1024 and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the
-row in registers was slower at 8,184 rows. That kernel was bound by instruction issue; with the
-GPU-side arithmetic of session 40 (hardware FP8 rounding, `div_rn_by`, ex2 / rcp gates) it takes
-20 / 95 us, 90-95% of the copy bandwidth.
+this is about 1.6x faster than a whole-row block at I = 12288. Chunks of 2048 at 8 warps were
+the fastest that scripts/bench_elementwise.py found on an H100 at the bench preset's
+intermediate size (6144): 26 / 119 us for 1,024 / 8,184 rows, against 31 / 162 us with chunks
+of 1024 and 4 warps (docs/benchmarks.md, session 19); a one-pass form with the row in registers
+was slower at 8,184 rows. That kernel was bound by instruction issue; with the GPU-side
+arithmetic of session 40 (hardware FP8 rounding, `div_rn_by`, ex2 / rcp gates) it took 20 / 95
+us, 90-95% of the copy bandwidth. Session 43's sweep on an H100 moved the default to 16 warps
+with the L2 hints (`cache_hints`): 18.5 / 91.0 us against 20.4 / 94.7, at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .triton_quant import empty_fp8_rows
 __all__ = ["ACT_GELU_TANH", "ACT_SILU", "launch_silu_mul_quant_fp8"]
 
 _CHUNK = 2048
-_NUM_WARPS = 8
+_NUM_WARPS = 16
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 _SQRT_2_OVER_PI = tl.constexpr(SQRT_2_OVER_PI)
@@ -107,10 +108,10 @@ def launch_silu_mul_quant_fp8(
     act: int = ACT_SILU,
     chunk: int = _CHUNK,
     num_warps: int = _NUM_WARPS,
-    cache_hints: bool = False,
+    cache_hints: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch one program per row; arguments are validated by the public wrapper. `chunk`,
-    `num_warps` and `cache_hints` (L2 eviction hints, not yet timed on a GPU) are the launch
+    `num_warps` and `cache_hints` (L2 eviction hints: they change no value) are the launch
     configuration (scripts/bench_elementwise.py tries others)."""
     t, two_i = gate_up.shape
     inter = two_i // 2

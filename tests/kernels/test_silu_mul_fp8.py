@@ -68,7 +68,14 @@ def test_kernel_wide_rows_span_several_chunks(device: torch.device) -> None:
 
 @pytest.mark.parametrize(
     "chunk,num_warps,cache_hints",
-    [(512, 2, False), (1024, 4, False), (4096, 16, False), (2048, 8, True), (1024, 4, True)],
+    [
+        (512, 2, False),
+        (1024, 4, False),
+        (2048, 8, False),
+        (4096, 16, False),
+        (2048, 8, True),
+        (1024, 4, True),
+    ],
 )
 def test_launch_configurations_give_the_same_codes(
     device: torch.device, chunk: int, num_warps: int, cache_hints: bool

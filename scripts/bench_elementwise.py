@@ -12,10 +12,13 @@ fastest (session 19's run on an H100 set SiLU-mul's and RoPE's: docs/benchmarks.
 variant's output is checked against the default's before it is timed: SiLU-mul's codes must be
 equal (a configuration changes only how a row is split among threads; absmax is order-free),
 RMSNorm's and RoPE's within the tolerance of their tests (a sum of squares reduced in another
-order). Times are CUDA events (`triton.testing.do_bench`). With --defaults only each kernel's
-default launch is timed: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs it on both).
+order). Times are CUDA events (`triton.testing.do_bench`; with --graphs, replays of a CUDA graph
+of the launch, `do_bench_cudagraph`, into bench_elementwise_graphs.json). With --defaults only
+each kernel's default launch is timed: an A/B of two kernel trees (gpu_run.sh's KERNELS_BASE runs
+it on both). Session 43 found RoPE's 1,024-token launches taking 14 us in one process and 30-56
+us in another; a graph's replays take the host's launches out of that measurement.
 Usage (on the GPU):
-    python scripts/bench_elementwise.py [OUT_DIR] [--defaults]
+    python scripts/bench_elementwise.py [OUT_DIR] [--defaults] [--graphs]
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ TOKENS = (1024, 8184, 8192)
 DEV = torch.device("cuda")
 
 
+GRAPHS = False
+"""--graphs: time each launch replayed in a CUDA graph (`do_bench_cudagraph`), as the engine's
+prefill and step graphs run it: no host launch between replays, and no L2 flush either (a
+1,024-token working set stays in the L2 across replays; the copy it is compared with too)."""
+
+
 def _ms(fn) -> float:
+    if GRAPHS:
+        return triton.testing.do_bench_cudagraph(fn, rep=200)
     return triton.testing.do_bench(fn, warmup=25, rep=200)
 
 
@@ -59,7 +70,8 @@ def _copy_gbps(nbytes: int) -> float:
 
 def _row(kernel: str, tokens: int, config: dict, ms: float, nbytes: int, floor_gbps: float):
     gbps = nbytes / ms / 1e6
-    row = {"kernel": kernel, "tokens": tokens, **config, "us": round(ms * 1e3, 2),
+    row = {"kernel": kernel, "tokens": tokens, **config, **({"timer": "graph"} if GRAPHS else {}),
+           "us": round(ms * 1e3, 2),
            "gb_per_s": round(gbps), "share_of_copy_bandwidth": round(gbps / floor_gbps, 3)}  # fmt: skip
     print(json.dumps(row))
     return row
@@ -207,14 +219,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", nargs="?", type=Path, default=Path("."))
     parser.add_argument("--defaults", action="store_true", help="time each default launch only")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time replays of a CUDA graph of each launch (GRAPHS)")  # fmt: skip
     args = parser.parse_args()
+    global GRAPHS
+    GRAPHS = args.graphs
     out, sweep = args.out, not args.defaults
     rows = []
     for tokens in TOKENS:
         disagreements = check_against_reference(tokens)
         rows += [{"tokens": tokens, "disagreements_with_references": disagreements}]
         rows += silu_mul(tokens, sweep) + rms_norm(tokens, sweep) + rope(tokens, sweep)
-    (out / "bench_elementwise.json").write_text(json.dumps(rows, indent=1))
+    name = "bench_elementwise_graphs.json" if GRAPHS else "bench_elementwise.json"
+    (out / name).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -261,6 +261,10 @@ for what in "${@:-tests}"; do
         timeout "$(left)" python3 scripts/bench_elementwise.py "$out" --defaults 2>&1 | tail -20
       else
         timeout "$(left)" python3 scripts/bench_elementwise.py "$out" 2>&1 | tail -60
+      fi
+      # ELEMENTWISE_GRAPHS=1: the sweep again, each launch replayed in a CUDA graph
+      if [[ -n ${ELEMENTWISE_GRAPHS:-} ]]; then
+        timeout "$(left)" python3 scripts/bench_elementwise.py "$out" --graphs 2>&1 | tail -60
       fi ;;
     streams)  # a step graph beside a prefill graph on streams of two priorities (scripts/bench_stream_priority.py)
       timeout "$(left)" python3 scripts/bench_stream_priority.py "$out" 2>&1 | tail -12 ;;

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm_tables import LaunchConfig, TunedTable, config_file, tuned_table
+from .pdl import pdl_launch
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_config", "launch_fp8_gemm"]
@@ -58,10 +59,12 @@ def _fp8_gemm_kernel(
     stride_am, stride_wn, stride_om,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """SPLIT_K > 1: this program sums K [split * K_SPLIT, (split + 1) * K_SPLIT) (K_SPLIT a
     multiple of BLOCK_K) into partial `split` of out_ptr, fp32 [SPLIT_K, M, N], unscaled."""
+    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -116,9 +119,11 @@ def _store_scaled(
 @triton.jit
 def _split_k_sum_kernel(
     part_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Sum the SPLIT_K fp32 partials [SPLIT_K, M, N] of a tile in split order, then scale."""
+    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -168,14 +173,14 @@ def launch_fp8_gemm(
         IMPRECISE=min(128, cfg.block_k),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, K_SPLIT=k_split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a.device),
     )  # fmt: skip
     if split_k > 1:
         sum_grid = (triton.cdiv(m, _SUM_BLOCK_M), triton.cdiv(n, _SUM_BLOCK_N))
         _split_k_sum_kernel[sum_grid](
             dest, a_scale, w_scale, bias_arg, out, m, n, out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k,
-            BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N,
+            BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, **pdl_launch(a.device),
         )  # fmt: skip
     return out
 

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_DTYPE
+from .pdl import pdl_launch
 from .triton_fp8 import quantize_row_fp8
 
 __all__ = ["empty_fp8_rows", "launch_per_token_quant_fp8", "row_launch_config"]
@@ -28,8 +29,16 @@ def empty_fp8_rows(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, 
 
 @triton.jit
 def _per_token_quant_fp8_kernel(
-    x_ptr, q_ptr, scale_ptr, x_row_stride, N: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    x_row_stride,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -45,5 +54,7 @@ def launch_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if t == 0:
         return q, scale
     block, num_warps = row_launch_config(n)
-    _per_token_quant_fp8_kernel[(t,)](x, q, scale, x.stride(0), n, BLOCK=block, num_warps=num_warps)
+    _per_token_quant_fp8_kernel[(t,)](
+        x, q, scale, x.stride(0), n, BLOCK=block, num_warps=num_warps, **pdl_launch(x.device)
+    )
     return q, scale

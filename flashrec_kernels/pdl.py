@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL) of the Triton kernels: an experiment, off unless
-FLASHREC_PDL=1.
+FLASHREC_PDL is 1 or 2.
 
 On Hopper (sm_90) a kernel launched with PDL may be scheduled while the kernel ahead of it in
 the stream is still finishing, instead of after it has drained. Every kernel that takes
@@ -8,6 +8,11 @@ until that kernel has completed and its writes are visible, so what overlaps is 
 block scheduling, not any memory access. A CUDA graph captured with such launches keeps them as
 programmatic edges. The beam steps of a small wave are ~300 short kernels, where those gaps add
 up (docs/benchmarks.md, session 43).
+
+With FLASHREC_PDL=2 each kernel also signals, right after its wait, that the next one may
+launch (`gdc_launch_dependents`): the next kernel's blocks can then be resident and waiting
+before this one ends, instead of launching as its blocks exit. That helps a chain of small
+kernels and may cost a large one the SM slots its waiting successor holds; the device decides.
 
 A kernel launched with PDL that did not wait would race its predecessor, so `pdl_launch` gives
 the launch option and the kernel's switch together. Kernels launched without it (cuBLAS, the
@@ -20,10 +25,12 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from .device import triton_interpreting
 
-__all__ = ["ENV", "pdl_launch"]
+__all__ = ["ENV", "pdl_launch", "wait_for_predecessor"]
 
 ENV = "FLASHREC_PDL"
 
@@ -33,13 +40,25 @@ def _sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """The `USE_GDC` switch and the `launch_pdl` option of a launch on `device`: on when
-    FLASHREC_PDL=1 and the kernel compiles for a GPU of sm_90 or later (a CUDA device that is
-    one, or a CPU tensor outside the interpreter: `gpu_compile`'s compile-only launches)."""
-    on = os.environ.get(ENV, "") == "1" and not triton_interpreting()
-    if on and device.type == "cuda":
-        on = _sm90_or_later(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-    return {"USE_GDC": on, "launch_pdl": on}
+def pdl_launch(device: torch.device) -> dict[str, int | bool]:
+    """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch) and the
+    `launch_pdl` option of a launch on `device`: on when FLASHREC_PDL is 1 or 2 and the kernel
+    compiles for a GPU of sm_90 or later (a CUDA device that is one, or a CPU tensor outside the
+    interpreter: `gpu_compile`'s compile-only launches)."""
+    mode = {"1": 1, "2": 2}.get(os.environ.get(ENV, ""), 0)
+    if triton_interpreting():
+        mode = 0
+    elif mode and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        mode = mode if _sm90_or_later(index) else 0
+    return {"USE_GDC": mode, "launch_pdl": mode > 0}
+
+
+@triton.jit
+def wait_for_predecessor(USE_GDC: tl.constexpr):
+    """A kernel's first statement: with PDL, wait until the kernel ahead of it in the stream
+    has completed and its writes are visible (and with USE_GDC 2, let the next one launch)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    if USE_GDC == 2:
+        tl.extra.cuda.gdc_launch_dependents()

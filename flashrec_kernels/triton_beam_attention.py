@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store, fp8_scale, round_to_bf16, to_fp8
 
 __all__ = [
@@ -232,8 +232,7 @@ def _beam_cascade_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2) // SPLITS
@@ -328,8 +327,7 @@ def _merge_splits_kernel(
 ):  # fmt: skip
     """Combine the splits' partials of one (request, kv head, tile), the attention kernel's
     packing of rows and heads, and store bf16: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm_tables import LaunchConfig, TunedTable, config_file, tuned_table
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_config", "launch_fp8_gemm"]
@@ -63,8 +63,7 @@ def _fp8_gemm_kernel(
 ):  # fmt: skip
     """SPLIT_K > 1: this program sums K [split * K_SPLIT, (split + 1) * K_SPLIT) (K_SPLIT a
     multiple of BLOCK_K) into partial `split` of out_ptr, fp32 [SPLIT_K, M, N], unscaled."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -122,8 +121,7 @@ def _split_k_sum_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Sum the SPLIT_K fp32 partials [SPLIT_K, M, N] of a tile in split order, then scale."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_copy_kv_rows"]
@@ -40,8 +40,7 @@ def _copy_kv_rows_kernel(
 ):  # fmt: skip
     """Rows [0, n) of the launch, or only [0, count[0]) with a count (rows past it: no-ops);
     without slots, source row i for destination row rows[i]."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     offs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_COUNT:
         mask = offs < tl.minimum(tl.load(count).to(tl.int64), n)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_beam_attention import (
     _fp8_query_rows,
     _operand,
@@ -109,8 +109,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

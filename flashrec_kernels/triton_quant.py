@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_DTYPE
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import quantize_row_fp8
 
 __all__ = ["empty_fp8_rows", "launch_per_token_quant_fp8", "row_launch_config"]
@@ -37,8 +37,7 @@ def _per_token_quant_fp8_kernel(
     BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store, quantize_row_fp8
 from .triton_quant import empty_fp8_rows, row_launch_config
 
@@ -29,8 +29,7 @@ def _rms_norm_quant_fp8_kernel(
     BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_rope_norm_store"]
@@ -125,8 +125,7 @@ def _rope_norm_store_kernel(
     heads of each token in place; the others rotate BLOCK_R k heads in place and store them and
     the matching v heads into the caches (and, if HAS_MIRROR, both into the mirror's rows).
     Its BLOCK_T x BLOCK_R head rows are one flat block."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     block = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_T * BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)

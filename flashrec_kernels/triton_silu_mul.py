@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .silu_mul import GELU_CUBIC, SQRT_2_OVER_PI
 from .triton_fp8 import INTERPRETED, fp8_scale, to_fp8
 from .triton_quant import empty_fp8_rows
@@ -87,8 +87,7 @@ def _silu_mul_quant_fp8_kernel(
 ):  # fmt: skip
     """FIRST_EVICT / SECOND_EVICT: the L2 eviction policy of each pass's loads, STORE_CACHE the
     codes' cache modifier ("" for the defaults; `launch_silu_mul_quant_fp8(cache_hints=True)`)."""
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
     absmax = tl.zeros((CHUNK,), tl.float32)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
+from .pdl import pdl_launch, wait_for_predecessor
 from .trie_topk import CsrLevel, DenseLevel, TrieTopK, level_width
 
 __all__ = ["launch_trie_topk"]
@@ -86,8 +86,7 @@ def _trie_topk_kernel(
     W: tl.constexpr, DENSE: tl.constexpr, HAS_NOISE: tl.constexpr,
     CHUNK: tl.constexpr, K_PAD: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    if USE_GDC:  # launched with PDL (pdl.py): nothing before the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     node = tl.load(nodes_ptr + row)
     parent = tl.load(parent_ptr + row)

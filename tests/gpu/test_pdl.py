@@ -1,8 +1,8 @@
-"""Kernels launched with programmatic dependent launch (FLASHREC_PDL=1, flashrec_kernels/pdl.py)
-answer as the serialized launches do, through the engine's CUDA graphs and its eager steps: a
-kernel that read its inputs before the kernel ahead of it had written them would change scores.
-The launches are the same kernels compiled with a wait first, so the answers must be bitwise
-equal."""
+"""Kernels launched with programmatic dependent launch (FLASHREC_PDL=1 or 2,
+flashrec_kernels/pdl.py) answer as the serialized launches do, through the engine's CUDA graphs
+and its eager steps: a kernel that read its inputs before the kernel ahead of it had written
+them would change scores. The launches are the same kernels compiled with a wait first, so the
+answers must be bitwise equal."""
 
 from __future__ import annotations
 
@@ -48,5 +48,6 @@ def test_pdl_launches_answer_as_serialized_ones(
     fields = {"quantization": quantization, "cuda_graphs": cuda_graphs}
     monkeypatch.delenv("FLASHREC_PDL", raising=False)
     serialized = _answers(tmp_path, catalog, **fields)
-    monkeypatch.setenv("FLASHREC_PDL", "1")
-    assert _answers(tmp_path, catalog, **fields) == serialized
+    for mode in ("1", "2"):  # wait first; and release the next launch right after the wait
+        monkeypatch.setenv("FLASHREC_PDL", mode)
+        assert _answers(tmp_path, catalog, **fields) == serialized, f"FLASHREC_PDL={mode}"

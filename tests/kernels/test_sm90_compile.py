@@ -154,24 +154,29 @@ print("compiled", len(done) + 1, names)
 _PDL_CHECK = """
 names = sorted({c.kernel for c in done})
 # each kernel launched with PDL waits for its predecessor before its first access to memory
-# that a kernel ahead of it may write (flashrec_kernels/pdl.py); parameters are read before
+# that a kernel ahead of it may write (flashrec_kernels/pdl.py); parameters are read before.
+# Mode 2 also lets the next launch go, right after the wait; mode 1 leaves that to the exit.
 for c in done:
     wait = c.ptx.find("griddepcontrol.wait")
     accesses = [c.ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global",
                                           "red.global", "prefetch.global")]
     first = min([i for i in accesses if i >= 0], default=len(c.ptx))
     assert 0 <= wait < first, (c.kernel, wait, first)
+    release = c.ptx.find("griddepcontrol.launch_dependents")
+    assert (release > wait) if MODE == "2" else (release == -1), (c.kernel, MODE, release)
 print("pdl", len(done), names)
 """
 
 
-def test_kernels_launched_with_pdl_wait_before_touching_memory() -> None:
-    """FLASHREC_PDL=1: the same launches as above (the flag reaches every shared kernel)."""
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_kernels_launched_with_pdl_wait_before_touching_memory(mode: str) -> None:
+    """FLASHREC_PDL=1 / 2: the same launches as below (the switch reaches every shared kernel)."""
     from flashrec_kernels.gpu_compile import run_compile_script
 
     launches = _SCRIPT[: _SCRIPT.index("names = sorted(")]
     script = launches.replace(
-        'os.environ.pop("FLASHREC_PDL", None)', 'os.environ["FLASHREC_PDL"] = "1"'
+        'os.environ.pop("FLASHREC_PDL", None)  # the default launches (a test below turns PDL on)',
+        f'os.environ["FLASHREC_PDL"] = MODE = "{mode}"',
     )
     proc = run_compile_script(script + _PDL_CHECK)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

@@ -48,6 +48,8 @@ def test_pdl_launches_answer_as_serialized_ones(
     fields = {"quantization": quantization, "cuda_graphs": cuda_graphs}
     monkeypatch.delenv("FLASHREC_PDL", raising=False)
     serialized = _answers(tmp_path, catalog, **fields)
+    # the premise: two engines without PDL answer bitwise alike
+    assert _answers(tmp_path, catalog, **fields) == serialized, "two runs without PDL differ"
     for mode in ("1", "2"):  # wait first; and release the next launch right after the wait
         monkeypatch.setenv("FLASHREC_PDL", mode)
         assert _answers(tmp_path, catalog, **fields) == serialized, f"FLASHREC_PDL={mode}"

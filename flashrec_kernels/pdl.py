@@ -13,6 +13,9 @@ With FLASHREC_PDL=2 each kernel also signals, right after its wait, that the nex
 launch (`gdc_launch_dependents`): the next kernel's blocks can then be resident and waiting
 before this one ends, instead of launching as its blocks exit. That helps a chain of small
 kernels and may cost a large one the SM slots its waiting successor holds; the device decides.
+FLASHREC_PDL=3 is 2, and the small-row FP8 GEMM asks L2 for its slice of the weights before
+its wait (`prefetch_to_l2`): weights are no kernel's output, and with a few rows the GEMM's
+time is mostly waiting for them, which can then overlap the kernel ahead of it.
 
 A kernel launched with PDL that did not wait would race its predecessor, so `pdl_launch` gives
 the launch option and the kernel's switch together. Kernels launched without it (cuBLAS, the
@@ -30,7 +33,7 @@ import triton.language as tl
 
 from .device import triton_interpreting
 
-__all__ = ["ENV", "pdl_launch", "wait_for_predecessor"]
+__all__ = ["ENV", "pdl_launch", "prefetch_to_l2", "wait_for_predecessor"]
 
 ENV = "FLASHREC_PDL"
 
@@ -41,11 +44,12 @@ def _sm90_or_later(index: int) -> bool:
 
 
 def pdl_launch(device: torch.device) -> dict[str, int | bool]:
-    """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch) and the
+    """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch, 3 as 2 with the
+    GEMM's weight prefetch) and the
     `launch_pdl` option of a launch on `device`: on when FLASHREC_PDL is 1 or 2 and the kernel
     compiles for a GPU of sm_90 or later (a CUDA device that is one, or a CPU tensor outside the
     interpreter: `gpu_compile`'s compile-only launches)."""
-    mode = {"1": 1, "2": 2}.get(os.environ.get(ENV, ""), 0)
+    mode = {"1": 1, "2": 2, "3": 3}.get(os.environ.get(ENV, ""), 0)
     if triton_interpreting():
         mode = 0
     elif mode and device.type == "cuda":
@@ -57,8 +61,18 @@ def pdl_launch(device: torch.device) -> dict[str, int | bool]:
 @triton.jit
 def wait_for_predecessor(USE_GDC: tl.constexpr):
     """A kernel's first statement: with PDL, wait until the kernel ahead of it in the stream
-    has completed and its writes are visible (and with USE_GDC 2, let the next one launch)."""
+    has completed and its writes are visible (and from USE_GDC 2 on, let the next one launch)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    if USE_GDC == 2:
+    if USE_GDC >= 2:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_to_l2(ptrs):
+    """Ask L2 for the line at each pointer of `ptrs` without waiting for it (PTX `prefetch`);
+    not in the interpreter, which has no inline assembly."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip

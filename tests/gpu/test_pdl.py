@@ -1,4 +1,4 @@
-"""Kernels launched with programmatic dependent launch (FLASHREC_PDL=1 or 2,
+"""Kernels launched with programmatic dependent launch (FLASHREC_PDL=1, 2 or 3,
 flashrec_kernels/pdl.py) answer as the serialized launches do, through the engine's CUDA graphs
 and its eager steps: a kernel that read its inputs before the kernel ahead of it had written
 them would change scores. The launches are the same kernels compiled with a wait first, so the
@@ -50,6 +50,7 @@ def test_pdl_launches_answer_as_serialized_ones(
     serialized = _answers(tmp_path, catalog, **fields)
     # the premise: two engines without PDL answer bitwise alike
     assert _answers(tmp_path, catalog, **fields) == serialized, "two runs without PDL differ"
-    for mode in ("1", "2"):  # wait first; and release the next launch right after the wait
+    # wait first; and release the next launch right after the wait; and prefetch GEMM weights
+    for mode in ("1", "2", "3"):
         monkeypatch.setenv("FLASHREC_PDL", mode)
         assert _answers(tmp_path, catalog, **fields) == serialized, f"FLASHREC_PDL={mode}"

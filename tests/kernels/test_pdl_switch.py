@@ -13,7 +13,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize(
-    "value,mode", [(None, 0), ("", 0), ("0", 0), ("1", 1), ("2", 2), ("yes", 0), ("3", 0)]
+    "value,mode", [(None, 0), ("", 0), ("0", 0), ("1", 1), ("2", 2), ("3", 3), ("yes", 0), ("4", 0)]
 )
 def test_the_variable_picks_the_mode_for_compiled_launches(
     monkeypatch: pytest.MonkeyPatch, value: str | None, mode: int

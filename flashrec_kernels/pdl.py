@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL) of the Triton kernels: an experiment, off unless
-FLASHREC_PDL is 1 or 2.
+FLASHREC_PDL is 1, 2 or 3.
 
 On Hopper (sm_90) a kernel launched with PDL may be scheduled while the kernel ahead of it in
 the stream is still finishing, instead of after it has drained. Every kernel that takes
@@ -44,11 +44,10 @@ def _sm90_or_later(index: int) -> bool:
 
 
 def pdl_launch(device: torch.device) -> dict[str, int | bool]:
-    """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch, 3 as 2 with the
-    GEMM's weight prefetch) and the
-    `launch_pdl` option of a launch on `device`: on when FLASHREC_PDL is 1 or 2 and the kernel
-    compiles for a GPU of sm_90 or later (a CUDA device that is one, or a CPU tensor outside the
-    interpreter: `gpu_compile`'s compile-only launches)."""
+    """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch, 3 as 2 with
+    the GEMM's weight prefetch) and the `launch_pdl` option of a launch on `device`: FLASHREC_PDL's
+    mode where the kernel compiles for a GPU of sm_90 or later (a CUDA device that is one, or a
+    CPU tensor outside the interpreter: `gpu_compile`'s compile-only launches), else 0."""
     mode = {"1": 1, "2": 2, "3": 3}.get(os.environ.get(ENV, ""), 0)
     if triton_interpreting():
         mode = 0

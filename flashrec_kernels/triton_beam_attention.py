@@ -230,7 +230,8 @@ def _beam_cascade_attention_kernel(
     sfx_stride_r, sfx_stride_s, o_stride_r, o_stride_h, part_stride_split, qk_scale, cap_log2,
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr, USE_GDC: tl.constexpr,
+    INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     req = tl.program_id(0)

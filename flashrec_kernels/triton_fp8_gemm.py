@@ -139,7 +139,8 @@ def _store_scaled(
 @triton.jit
 def _split_k_sum_kernel(
     part_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Sum the SPLIT_K fp32 partials [SPLIT_K, M, N] of a tile in split order, then scale."""
     wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
@@ -191,8 +192,8 @@ def launch_fp8_gemm(
         K=k, HAS_BIAS=bias is not None, EVEN_K=k_split * split_k == k,
         IMPRECISE=min(128, cfg.block_k),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, K_SPLIT=k_split, PREFETCH_LINES=triton.next_power_of_2(
-            triton.cdiv(k_split, 128)),
+        SPLIT_K=split_k, K_SPLIT=k_split,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_split, 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a.device),
     )  # fmt: skip
     if split_k > 1:

@@ -107,7 +107,8 @@ def _prefill_attention_kernel(
     o_stride_t, o_stride_h, part_stride_split, qk_scale, cap_log2, window,
     GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr, USE_GDC: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     tile = tl.program_id(0)

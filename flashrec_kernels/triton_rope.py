@@ -119,7 +119,8 @@ def _rope_norm_store_kernel(
     mk_ptr, mv_ptr, mrow_ptr, mk_stride_s, mk_stride_h, mv_stride_s, mv_stride_h, mrow_stride,
     num_tokens, HAS_MIRROR: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_T tokens, head block): head blocks < Q_BLOCKS rotate BLOCK_R q
     heads of each token in place; the others rotate BLOCK_R k heads in place and store them and
@@ -254,5 +255,6 @@ def launch_rope_norm_store(
         num_tokens, HAS_MIRROR=mirror is not None, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_BLOCKS=q_blocks,
         D=head_dim, HALF=rotary_dim // 2, HAS_Q_NORM=q_w is not None, HAS_K_NORM=k_w is not None,
         BLOCK_T=tokens_per_program, BLOCK_R=block_r, BLOCK_D=block_d,
-        BLOCK_H=triton.next_power_of_2(rotary_dim // 2), num_warps=num_warps, **pdl_launch(q.device),
+        BLOCK_H=triton.next_power_of_2(rotary_dim // 2), num_warps=num_warps,
+        **pdl_launch(q.device),
     )  # fmt: skip

@@ -130,7 +130,8 @@ engine_bench() {
     "{requests} requests: {requests_per_s:.1f} req/s, {percent_of_roofline:.1f}% of floor, p50 "
     "{latency_p50_ms:.0f} ms; unloaded p50 {single_request_p50_ms:.2f} ms; peak {peak_memory_gib:.1f} "
     "GiB (KV pool {kv_pool_gib:.1f}); waiting for results {results_wait_share:.0%} of the call; "
-    "invalid {invalid_results}; prefills through {prefill_attention} {fresh_prefill_paths}".format(**d))' \
+    "invalid {invalid_results}; graph replays {graph_replays}, eager steps {eager_steps}; "
+    "prefills through {prefill_attention} {fresh_prefill_paths}".format(**d))' \
     "$out/e2e_engine_n${spec%:*}$tag.json" 2>/dev/null || tail -5 "$out/e2e_engine_n${spec%:*}$tag.log"
   # with --trace-dir among the flags: the traced call's loop summary (bench/trace_summary.py)
   grep -A14 "^profile window" "$out/e2e_engine_n${spec%:*}$tag.log" | grep -vE "^  +[0-9.]+  "

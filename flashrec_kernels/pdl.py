@@ -47,7 +47,10 @@ def pdl_launch(device: torch.device) -> dict[str, int | bool]:
     """The `USE_GDC` switch (0 off, 1 wait, 2 wait and release the next launch, 3 as 2 with
     the GEMM's weight prefetch) and the `launch_pdl` option of a launch on `device`: FLASHREC_PDL's
     mode where the kernel compiles for a GPU of sm_90 or later (a CUDA device that is one, or a
-    CPU tensor outside the interpreter: `gpu_compile`'s compile-only launches), else 0."""
+    CPU tensor outside the interpreter: `gpu_compile`'s compile-only launches), else 0. Read
+    at every launch, so that one process can switch it (tests/gpu/test_pdl.py does): about 1.5
+    us of host, mostly the two environment reads; graph replays do not launch, and caching by
+    the variables' values saved nothing (measured on the CPU machine)."""
     mode = {"1": 1, "2": 2, "3": 3}.get(os.environ.get(ENV, ""), 0)
     if triton_interpreting():
         mode = 0

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store, fp8_scale, round_to_bf16, to_fp8
 
 __all__ = [
@@ -231,9 +230,7 @@ def _beam_cascade_attention_kernel(
     GROUP: tl.constexpr, S: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr, SOFTCAP: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2) // SPLITS
@@ -324,11 +321,10 @@ def _merge_splits_kernel(
     row_indptr_ptr, o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     o_stride_r, o_stride_h, part_stride_split,
     GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Combine the splits' partials of one (request, kv head, tile), the attention kernel's
     packing of rows and heads, and store bf16: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -431,7 +427,7 @@ def merge_splits(
         row_indptr, out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
         num_rows * num_q_heads,
         GROUP=group, D=head_dim, HQ=num_q_heads, BLOCK_M=MERGE_BLOCK_M, SPLITS=num_splits,
-        num_warps=4, **pdl_launch(out.device),
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -507,7 +503,7 @@ def launch_beam_cascade_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits, INTERPRET=triton_interpreting(),
         SOFTCAP=logit_softcap is not None,
         F16=use_f16_dots(k_cache, f16_dots), FP8_QK=fp8_scores,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(row_indptr, out, (part_acc, part_m, part_l), num_kv_heads,

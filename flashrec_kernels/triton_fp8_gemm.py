@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm_tables import LaunchConfig, TunedTable, config_file, tuned_table
-from .pdl import pdl_launch, prefetch_to_l2, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_config", "launch_fp8_gemm"]
@@ -59,17 +58,10 @@ def _fp8_gemm_kernel(
     stride_am, stride_wn, stride_om,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IMPRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, USE_GDC: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """SPLIT_K > 1: this program sums K [split * K_SPLIT, (split + 1) * K_SPLIT) (K_SPLIT a
-    multiple of BLOCK_K) into partial `split` of out_ptr, fp32 [SPLIT_K, M, N], unscaled.
-    USE_GDC 3 (pdl.py): the first row tile's programs ask L2 for their weight slice, in
-    PREFETCH_LINES 128-byte lines a column, before they wait for the kernel ahead."""
-    if USE_GDC == 3:
-        if tl.program_id(0) == 0:
-            _prefetch_weights(w_ptr, stride_wn, N, K, K_SPLIT, BLOCK_N, PREFETCH_LINES)
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): no kernel's output read before
+    multiple of BLOCK_K) into partial `split` of out_ptr, fp32 [SPLIT_K, M, N], unscaled."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -103,21 +95,6 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _prefetch_weights(
-    w_ptr, stride_wn, N, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    LINES: tl.constexpr,
-):  # fmt: skip
-    """The weight lines of this program's columns and K split, into L2 (the weights: [N, K]
-    e4m3 codes, K contiguous); pointers past N or the split point at the first weight."""
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = tl.program_id(2) * K_SPLIT
-    ks = start + tl.arange(0, LINES) * 128
-    ok = (cols < N)[None, :] & ((ks < K) & (ks < start + K_SPLIT))[:, None]
-    ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    prefetch_to_l2(tl.where(ok, ptrs, w_ptr))
-
-
-@triton.jit
 def _store_scaled(
     acc, rows, cols, row_ok, col_ok, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_om,
     HAS_BIAS: tl.constexpr,
@@ -140,10 +117,8 @@ def _store_scaled(
 def _split_k_sum_kernel(
     part_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Sum the SPLIT_K fp32 partials [SPLIT_K, M, N] of a tile in split order, then scale."""
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -193,15 +168,14 @@ def launch_fp8_gemm(
         IMPRECISE=min(128, cfg.block_k),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, K_SPLIT=k_split,
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_split, 128)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(a.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split_k > 1:
         sum_grid = (triton.cdiv(m, _SUM_BLOCK_M), triton.cdiv(n, _SUM_BLOCK_N))
         _split_k_sum_kernel[sum_grid](
             dest, a_scale, w_scale, bias_arg, out, m, n, out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k,
-            BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, **pdl_launch(a.device),
+            BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N,
         )  # fmt: skip
     return out
 

@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_copy_kv_rows"]
@@ -36,11 +35,10 @@ def _copy_kv_rows_kernel(
     k_src, v_src, slots, k_dst, v_dst, rows, n, count,
     ks_s, ks_h, vs_s, vs_h, kd_s, kd_h, vd_s, vd_h, slot_stride, row_stride,
     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_COUNT: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):  # fmt: skip
     """Rows [0, n) of the launch, or only [0, count[0]) with a count (rows past it: no-ops);
     without slots, source row i for destination row rows[i]."""
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     offs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_COUNT:
         mask = offs < tl.minimum(tl.load(count).to(tl.int64), n)
@@ -72,5 +70,5 @@ def launch_copy_kv_rows(
         slots_or_rows.stride(0), rows.stride(0),
         H=heads, D=dim, BLOCK_R=ROWS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(dim), HAS_COUNT=count is not None,
-        HAS_SLOTS=slots is not None, num_warps=4, **pdl_launch(k_src.device),
+        HAS_SLOTS=slots is not None, num_warps=4,
     )  # fmt: skip

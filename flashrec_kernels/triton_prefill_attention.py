@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from .device import triton_interpreting
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_beam_attention import (
     _fp8_query_rows,
     _operand,
@@ -108,9 +107,7 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, F16: tl.constexpr, FP8_QK: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -259,7 +256,7 @@ def launch_prefill_attention(
         INTERPRET=triton_interpreting(), SOFTCAP=logit_softcap is not None,
         WINDOW=window is not None,
         F16=use_f16_dots(k_cache, f16_dots), FP8_QK=fp8_scores,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:  # one "request" per sequence, its tokens as rows (static bound: T)
         merge_splits(qo_indptr, out, (part_acc, part_m, part_l), num_kv_heads, num_tokens,

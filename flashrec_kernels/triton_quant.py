@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from .fp8 import FP8_DTYPE
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import quantize_row_fp8
 
 __all__ = ["empty_fp8_rows", "launch_per_token_quant_fp8", "row_launch_config"]
@@ -29,15 +28,8 @@ def empty_fp8_rows(t: int, n: int, device: torch.device) -> tuple[torch.Tensor, 
 
 @triton.jit
 def _per_token_quant_fp8_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    x_row_stride,
-    N: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, x_row_stride, N: tl.constexpr, BLOCK: tl.constexpr
 ):
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -53,7 +45,5 @@ def launch_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if t == 0:
         return q, scale
     block, num_warps = row_launch_config(n)
-    _per_token_quant_fp8_kernel[(t,)](
-        x, q, scale, x.stride(0), n, BLOCK=block, num_warps=num_warps, **pdl_launch(x.device)
-    )
+    _per_token_quant_fp8_kernel[(t,)](x, q, scale, x.stride(0), n, BLOCK=block, num_warps=num_warps)
     return q, scale

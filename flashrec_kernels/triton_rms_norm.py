@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store, quantize_row_fp8
 from .triton_quant import empty_fp8_rows, row_launch_config
 
@@ -27,9 +26,7 @@ def _rms_norm_quant_fp8_kernel(
     N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -79,6 +76,5 @@ def launch_rms_norm_quant_fp8(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
-        **pdl_launch(x.device),
     )
     return q, scale, res_out

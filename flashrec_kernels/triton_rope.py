@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, wait_for_predecessor
 from .triton_fp8 import cast_for_store
 
 __all__ = ["launch_rope_norm_store"]
@@ -120,13 +119,11 @@ def _rope_norm_store_kernel(
     num_tokens, HAS_MIRROR: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_BLOCKS: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """Program (block of BLOCK_T tokens, head block): head blocks < Q_BLOCKS rotate BLOCK_R q
     heads of each token in place; the others rotate BLOCK_R k heads in place and store them and
     the matching v heads into the caches (and, if HAS_MIRROR, both into the mirror's rows).
     Its BLOCK_T x BLOCK_R head rows are one flat block."""
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     block = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_T * BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
@@ -256,5 +253,4 @@ def launch_rope_norm_store(
         D=head_dim, HALF=rotary_dim // 2, HAS_Q_NORM=q_w is not None, HAS_K_NORM=k_w is not None,
         BLOCK_T=tokens_per_program, BLOCK_R=block_r, BLOCK_D=block_d,
         BLOCK_H=triton.next_power_of_2(rotary_dim // 2), num_warps=num_warps,
-        **pdl_launch(q.device),
     )  # fmt: skip

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, wait_for_predecessor
 from .silu_mul import GELU_CUBIC, SQRT_2_OVER_PI
 from .triton_fp8 import INTERPRETED, fp8_scale, to_fp8
 from .triton_quant import empty_fp8_rows
@@ -83,11 +82,10 @@ def _silu_mul(row_ptr, offs, mask, INTER: tl.constexpr, ACT: tl.constexpr,
 def _silu_mul_quant_fp8_kernel(
     gate_up_ptr, q_ptr, scale_ptr, row_stride, INTER: tl.constexpr, CHUNK: tl.constexpr,
     ACT: tl.constexpr, FIRST_EVICT: tl.constexpr, SECOND_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr, USE_GDC: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
 ):  # fmt: skip
     """FIRST_EVICT / SECOND_EVICT: the L2 eviction policy of each pass's loads, STORE_CACHE the
     codes' cache modifier ("" for the defaults; `launch_silu_mul_quant_fp8(cache_hints=True)`)."""
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     row_ptr = gate_up_ptr + row * row_stride
     absmax = tl.zeros((CHUNK,), tl.float32)
@@ -127,6 +125,6 @@ def launch_silu_mul_quant_fp8(
         # the codes (read only by the next GEMM) stream past L2
         FIRST_EVICT="evict_last" if cache_hints else "",
         SECOND_EVICT="evict_first" if cache_hints else "",
-        STORE_CACHE=".cs" if cache_hints else "", num_warps=num_warps, **pdl_launch(gate_up.device),
+        STORE_CACHE=".cs" if cache_hints else "", num_warps=num_warps,
     )  # fmt: skip
     return q, scale

@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch, wait_for_predecessor
 from .trie_topk import CsrLevel, DenseLevel, TrieTopK, level_width
 
 __all__ = ["launch_trie_topk"]
@@ -84,9 +83,8 @@ def _trie_topk_kernel(
     table_ptr, indptr_ptr, codes_ptr, ids_ptr,
     key_ptr, pos_ptr, score_ptr, code_ptr, child_ptr, k,
     W: tl.constexpr, DENSE: tl.constexpr, HAS_NOISE: tl.constexpr,
-    CHUNK: tl.constexpr, K_PAD: tl.constexpr, USE_GDC: tl.constexpr,
+    CHUNK: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
-    wait_for_predecessor(USE_GDC)  # launched with PDL (pdl.py): nothing before the wait
     row = tl.program_id(0).to(tl.int64)
     node = tl.load(nodes_ptr + row)
     parent = tl.load(parent_ptr + row)
@@ -151,6 +149,6 @@ def launch_trie_topk(
         score if noise is None else noise.contiguous(), *tables,
         key, pos, score, code, child, k,
         W=width, DENSE=dense, HAS_NOISE=noise is not None, CHUNK=chunk, K_PAD=k_pad,
-        num_warps=min(max(chunk // 256, 1), 8), **pdl_launch(log_probs.device),
+        num_warps=min(max(chunk // 256, 1), 8),
     )  # fmt: skip
     return TrieTopK(key, pos, score, code, child)

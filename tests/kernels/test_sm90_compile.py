@@ -14,8 +14,6 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
 _SCRIPT = """
-import os
-os.environ.pop("FLASHREC_PDL", None)  # the default launches (a test below turns PDL on)
 import torch
 from flashrec_kernels.gpu_compile import compiled_launches, instruction_mix, loop_schedule, sass
 from flashrec_kernels.trie_topk import CsrLevel, DenseLevel
@@ -88,8 +86,6 @@ with compiled_launches(90) as done:
     triton_fp8_gemm.launch_fp8_gemm(a, torch.ones(50), w, torch.ones(4096), None, bf16,
                                     block_m=64, block_n=16, block_k=128, split_k=4)
 names = sorted({c.kernel for c in done})
-# without FLASHREC_PDL no kernel waits on its predecessor (flashrec_kernels/pdl.py)
-assert not any("griddepcontrol" in c.ptx for c in done), names
 # the hints reach the instructions of the default launches (SiLU and GELU): pass 1's loads keep
 # the row in L2, pass 2's let it go, the codes stream past it; the launch without them has none
 silu = [c.ptx for c in done if c.kernel == "_silu_mul_quant_fp8_kernel"]
@@ -149,50 +145,6 @@ buffers = [line for line in loop_schedule(beam5.ttgir)
 assert len(buffers) == 2, loop_schedule(beam5.ttgir)
 print("compiled", len(done) + 1, names)
 """
-
-
-_PDL_CHECK = """
-names = sorted({c.kernel for c in done})
-# each kernel launched with PDL waits for its predecessor before its first access to memory
-# that a kernel ahead of it may write (flashrec_kernels/pdl.py); parameters are read before.
-# Modes 2 and 3 also let the next launch go, right after the wait; mode 1 leaves that to the
-# exit. Mode 3's one exception: the small-row GEMM asks L2 for its weights (no kernel's output)
-# before its wait.
-for c in done:
-    wait = c.ptx.find("griddepcontrol.wait")
-    accesses = [c.ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global",
-                                          "red.global")]
-    first = min([i for i in accesses if i >= 0], default=len(c.ptx))
-    assert 0 <= wait < first, (c.kernel, wait, first)
-    release = c.ptx.find("griddepcontrol.launch_dependents")
-    assert (release > wait) if MODE in "23" else (release == -1), (c.kernel, MODE, release)
-    prefetch = c.ptx.find("prefetch.global.L2")
-    if MODE == "3" and c.kernel == "_fp8_gemm_kernel":
-        assert 0 <= prefetch < wait, (c.kernel, prefetch, wait)
-    else:
-        assert prefetch == -1, (c.kernel, MODE, prefetch)
-print("pdl", len(done), names)
-"""
-
-
-@pytest.mark.parametrize("mode", ["1", "2", "3"])
-def test_kernels_launched_with_pdl_wait_before_touching_memory(mode: str) -> None:
-    """FLASHREC_PDL=1 / 2 / 3: the same launches as below (the switch reaches every shared
-    kernel)."""
-    from flashrec_kernels.gpu_compile import run_compile_script
-
-    launches = _SCRIPT[: _SCRIPT.index("names = sorted(")]
-    script = launches.replace(
-        'os.environ.pop("FLASHREC_PDL", None)  # the default launches (a test below turns PDL on)',
-        f'os.environ["FLASHREC_PDL"] = MODE = "{mode}"',
-    )
-    proc = run_compile_script(script + _PDL_CHECK)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    for kernel in (
-        "quant", "rms_norm", "silu_mul", "rope", "trie_topk", "beam_cascade", "merge_splits",
-        "prefill", "fp8_gemm", "split_k_sum",
-    ):  # fmt: skip
-        assert kernel in proc.stdout, f"no {kernel} kernel compiled with PDL: {proc.stdout}"
 
 
 def test_shared_kernels_compile_for_sm90() -> None:

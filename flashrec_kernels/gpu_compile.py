@@ -84,7 +84,13 @@ class _Recorder:
                     # multiples of 16 let the compiler vectorize loads (tt.divisibility)
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
+        with triton.knobs.compilation.scope():
+            # The cache may hold this kernel's entry without its PTX and IR (the device's runs
+            # keep binaries only, TRITON_STORE_BINARY_ONLY in scripts/gpu_run.sh), and a compile
+            # that stores binaries only returns none either: compile anew, keeping them.
+            triton.knobs.compilation.always_compile = True
+            triton.knobs.compilation.store_binary_only = False
+            compiled = triton.compile(src, target=GPUTarget("cuda", self.arch, 32), options=options)
         ptx = compiled.asm["ptx"]
         registers, spills = _ptxas_resources(ptx, self.arch)
         launch = CompiledLaunch(

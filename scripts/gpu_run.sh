@@ -40,6 +40,10 @@ fi
 # Triton's compiled kernels likewise (the beam kernel and the fused elementwise kernels compile per
 # shape specialization): restored from .ficache/triton.txz.*, packed into $OUT/triton.txz.* on exit.
 export TRITON_CACHE_DIR=/tmp/tritoncache
+# the cubins and their metadata only: the IR and PTX beside them were 85% of the packed cache
+# (session 44: 21.6 MB packed against 3.0 without them), and carry is capped at 64 MiB;
+# flashrec_kernels.gpu_compile compiles anew where it reads PTX
+export TRITON_STORE_BINARY_ONLY=1
 mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".ficache/triton.txz.*" >/dev/null; then
   cat .ficache/triton.txz.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "restored $(ls "$TRITON_CACHE_DIR" | wc -l) Triton kernels"

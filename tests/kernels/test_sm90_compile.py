@@ -159,6 +159,34 @@ def test_shared_kernels_compile_for_sm90() -> None:
         assert kernel in proc.stdout, f"no {kernel} kernel compiled: {proc.stdout}"
 
 
+def test_compiles_with_ptx_from_a_binary_only_cache(tmp_path, monkeypatch) -> None:
+    """The device's runs keep only the cubins in Triton's cache (TRITON_STORE_BINARY_ONLY,
+    scripts/gpu_run.sh); a compile-only launch there must still give its PTX and IR, the first
+    time (a compile that stores binaries only returns none) and when the cache has the entry."""
+    from flashrec_kernels.gpu_compile import run_compile_script
+
+    monkeypatch.setenv("TRITON_STORE_BINARY_ONLY", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    script = """
+import os, pathlib
+import torch
+from flashrec_kernels import triton_quant
+from flashrec_kernels.gpu_compile import compiled_launches
+for attempt in range(2):
+    with compiled_launches(90) as done:
+        triton_quant.launch_per_token_quant_fp8(torch.zeros(4, 2048, dtype=torch.bfloat16))
+    (launch,) = done
+    assert ".entry" in launch.ptx and launch.registers > 0 and launch.ttgir, attempt
+    # leave the entry as a binary-only cache holds it
+    for f in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*"):
+        if f.suffix in (".ptx", ".ttir", ".ttgir", ".llir", ".source"):
+            f.unlink()
+print("ok")
+"""
+    proc = run_compile_script(script)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
 def test_kernel_sass_script_counts_each_elementwise_kernel() -> None:
     """scripts/kernel_sass.py (instruction counts before a device call) runs here."""
     from pathlib import Path

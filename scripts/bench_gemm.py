@@ -10,14 +10,20 @@ chunk, and reports TFLOP/s against the 8192^3 GEMM peak the roofline uses, and t
 whole forward's GEMMs (28 layers); then, at a few small row counts, the Triton small-row GEMM
 (`flashrec_kernels.fp8_gemm`) with its default launch and a sweep of launches against it, the
 fastest of each written as a launch table (`fp8_gemm_tuned.json`). Times are CUDA events
-(`triton.testing.do_bench`). Usage (on
-the GPU): python scripts/bench_gemm.py [OUT_DIR]
+(`triton.testing.do_bench`, each launch from the host); with --graphs, replays of a CUDA graph of
+the launches over several copies of the weights (GRAPHS), into `bench_gemm_graphs.json` and
+`fp8_gemm_tuned_graphs.json`. Usage (on the GPU):
+
+    python scripts/bench_gemm.py [OUT_DIR] [--graphs]
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
-import sys
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +42,19 @@ ROWS = (50, 150, 512, 1024, 2048, 3072, 4096, 8184, 16368)
 tokens (8,184: the default prefill chunk)."""
 DEV = torch.device("cuda")
 
+GRAPHS = False
+"""--graphs: time each GEMM as the engine's beam-step graphs run it, without a host launch
+between calls. A Triton launch from Python costs the host 10-60 us, more than the kernel
+(session 44 timed RoPE's 1,024-token launch at 7 us in graph replays and 17-93 us launched from
+the host), so host-launched timings of a ~10 us GEMM measure the launcher, and they moved 2-4x
+between runs (session 32). A graph's replays do not flush the L2 as `do_bench` does, so the
+graph cycles through copies of the weights that together are twice the L2 (`weight_copies`):
+each call reads its weights from memory, as a step reads each layer's, and its activations from
+L2, as written by the kernel before it."""
+
+Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A GEMM as timed here: (activations, their scales, weights, their scales) -> output."""
+
 
 def _fp8(rows: int, cols: int) -> torch.Tensor:
     return (torch.randn(rows, cols, device=DEV) * 0.5).to(torch.float8_e4m3fn)
@@ -43,6 +62,35 @@ def _fp8(rows: int, cols: int) -> torch.Tensor:
 
 def _us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+
+
+def weight_copies(rows: int, cols: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Weights [rows, cols] and per-channel scales: one pair, or under GRAPHS as many copies as
+    make twice the L2 (at least two), so that no graph replay finds its weights in L2."""
+    count = 1
+    if GRAPHS:
+        l2_bytes = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 64 << 20)
+        count = max(2, math.ceil(2 * l2_bytes / (rows * cols)))
+    return [(_fp8(rows, cols), torch.rand(1, rows, device=DEV) + 0.5) for _ in range(count)]
+
+
+def gemm_us(
+    gemm: Gemm, x: torch.Tensor, sx: torch.Tensor, copies: list, quick: bool = False
+) -> float:
+    """Microseconds of one `gemm` of `x` by a weight of `copies`: launched from the host on the
+    first copy (`do_bench`, which flushes the L2 between calls), or under GRAPHS one graph
+    replay of a call on each copy in turn, divided by the copies."""
+    if not GRAPHS:
+        w, sw = copies[0]
+        run = functools.partial(gemm, x, sx, w, sw)
+        return _us_quick(run) if quick else _us(run)
+
+    def cycle() -> None:
+        for w, sw in copies:
+            gemm(x, sx, w, sw)
+
+    ms = triton.testing.do_bench_cudagraph(cycle, rep=20 if quick else 100)
+    return ms * 1e3 / len(copies)
 
 
 def peak_tflops() -> float:
@@ -55,12 +103,17 @@ def peak_tflops() -> float:
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", type=Path, default=Path("."))
+    parser.add_argument("--graphs", action="store_true",
+                        help="time replays of a CUDA graph over copies of the weights (GRAPHS)")  # fmt: skip
+    args = parser.parse_args()
+    global GRAPHS
+    GRAPHS = args.graphs
+    out, suffix = args.out, "_graphs" if GRAPHS else ""
     peak = peak_tflops()
     print(f"{torch.cuda.get_device_name()}: FP8 8192^3 peak {peak:.0f} TFLOP/s", flush=True)
-    weights = {
-        n: (_fp8(o, i), torch.rand(1, o, device=DEV) + 0.5) for n, (i, o) in PROJECTIONS.items()
-    }
+    weights = {n: weight_copies(o, i) for n, (i, o) in PROJECTIONS.items()}
     rows_out = []
     for rows in ROWS:
         forward_us, flops = 0.0, 0.0
@@ -68,8 +121,7 @@ def main() -> None:
         for name, (fan_in, fan_out) in PROJECTIONS.items():
             x = _fp8(rows, fan_in)
             sx = torch.rand(rows, 1, device=DEV) + 0.5
-            w, sw = weights[name]
-            us = _us(lambda x=x, sx=sx, w=w, sw=sw: _cublas(x, sx, w, sw))
+            us = gemm_us(_cublas, x, sx, weights[name])
             f = 2.0 * rows * fan_in * fan_out
             row[f"{name}_us"] = round(us, 2)
             row[f"{name}_tflops"] = round(f / us / 1e6, 1)
@@ -83,11 +135,12 @@ def main() -> None:
     small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
     # the launch table flashrec_kernels reads for this GPU once copied to
     # flashrec_kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py)
-    (out / "fp8_gemm_tuned.json").write_text(json.dumps(launch_table(small), indent=1))
-    (out / "bench_gemm.json").write_text(
+    (out / f"fp8_gemm_tuned{suffix}.json").write_text(json.dumps(launch_table(small), indent=1))
+    (out / f"bench_gemm{suffix}.json").write_text(
         json.dumps(
             {
                 "gpu": torch.cuda.get_device_name(),
+                "timer": "graph" if GRAPHS else "host launches",
                 "peak_tflops": peak,
                 "rows": rows_out,
                 "triton_small_m": small,
@@ -144,12 +197,12 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
         default = asdict(launch_config(rows, fan_out, fan_in, props.multi_processor_count, table))
         x = _fp8(rows, fan_in)
         sx = torch.rand(rows, device=DEV) + 0.5
-        w, sw = weights[name]
-        sw = sw.view(-1)
+        copies = [(w, sw.view(-1)) for w, sw in weights[name]]
+        w, sw = copies[0]
         ref = _cublas(x, sx, w, sw).float()
         got = fp8_gemm(x, sx, w, sw).float()
         rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
-        default_us = _us_quick(lambda x=x, sx=sx, w=w, sw=sw: fp8_gemm(x, sx, w, sw))
+        default_us = gemm_us(fp8_gemm, x, sx, copies, quick=True)
         best_us, best_cfg = default_us, default
         for cfg in SWEEP + SPLIT_SWEEP + (WIDE_ROWS_SWEEP if rows >= 128 else []):
             try:
@@ -158,9 +211,7 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
                 if diff > MAX_REL_DIFF:
                     print(f"  {name} {cfg}: output off cuBLAS's by {diff:.3g}", flush=True)
                     continue
-                us = _us_quick(
-                    lambda x=x, sx=sx, w=w, sw=sw, cfg=cfg: fp8_gemm(x, sx, w, sw, **cfg)
-                )
+                us = gemm_us(functools.partial(fp8_gemm, **cfg), x, sx, copies, quick=True)
             except Exception as exc:  # a configuration that does not build here (resources)
                 print(f"  {name} {cfg}: {type(exc).__name__}", flush=True)
                 continue
@@ -170,17 +221,11 @@ def triton_rows(rows: int, weights: dict, cublas_rows: list[dict]) -> dict:
         # alternating, each keeping its faster run: session 32's sweep timed some launches at
         # 2-4x session 23's for the same code, and one quick run should not write the table.
         for _ in range(2):
-            default_us = min(default_us, _us(lambda x=x, sx=sx, w=w, sw=sw: fp8_gemm(x, sx, w, sw)))
-            best_us = min(
-                best_us, _us(lambda x=x, sx=sx, w=w, sw=sw, c=best_cfg: fp8_gemm(x, sx, w, sw, **c))
-            )
+            default_us = min(default_us, gemm_us(fp8_gemm, x, sx, copies))
+            best_us = min(best_us, gemm_us(functools.partial(fp8_gemm, **best_cfg), x, sx, copies))
         if default_us <= best_us:  # timed at length, the sweep's pick did not beat the default
             best_us, best_cfg = default_us, default
-        cublas_us = (
-            cublas[f"{name}_us"]
-            if cublas
-            else _us_quick(lambda x=x, sx=sx, w=w, sw=sw: _cublas(x, sx, w, sw))
-        )
+        cublas_us = cublas[f"{name}_us"] if cublas else gemm_us(_cublas, x, sx, copies, quick=True)
         row[name] = {"cublas_us": round(cublas_us, 2), "triton_default_us": round(default_us, 2),
                      "triton_default": default, "triton_best_us": round(best_us, 2),
                      "triton_best": best_cfg, "shape": f"N={fan_out},K={fan_in}",

@@ -273,8 +273,9 @@ for what in "${@:-tests}"; do
       fi ;;
     streams)  # a step graph beside a prefill graph on streams of two priorities (scripts/bench_stream_priority.py)
       timeout "$(left)" python3 scripts/bench_stream_priority.py "$out" 2>&1 | tail -12 ;;
-    gemm)  # the model's FP8 GEMMs alone by row count (scripts/bench_gemm.py): small waves' cost
-      timeout "$(left)" python3 scripts/bench_gemm.py "$out" 2>&1 | tail -12 ;;
+    gemm)  # the model's FP8 GEMMs alone by row count (scripts/bench_gemm.py): small waves' cost;
+      # GEMM_GRAPHS=1 times them in CUDA graph replays over copies of the weights (--graphs)
+      timeout "$(left)" python3 scripts/bench_gemm.py "$out" ${GEMM_GRAPHS:+--graphs} 2>&1 | tail -12 ;;
     attention)  # beam-step attention alone: FlashInfer flat vs cascade vs the Triton beam kernel
       # ATTENTION_KV: the KV dtypes to run (default both; each compiles its FlashInfer kernels).
       # KERNELS_BASE=DIR (as for elementwise): the Triton kernel's default launch only, the base

@@ -168,11 +168,19 @@ tiles read it once per tile (from L2 at best). K steps of 128 only: at 256 a 128
 SPLIT_SWEEP = [
     dict(block_n=bn, block_k=128, num_stages=st, split_k=sk)
     for bn in (16, 32) for st in (3, 4) for sk in (2, 4)
+] + [
+    dict(block_n=64, block_k=128, num_stages=4, split_k=2),
+    dict(block_n=64, block_k=128, num_stages=4, split_k=4),
+    dict(block_n=128, block_k=128, num_stages=3, split_k=4),
 ]  # fmt: skip
 """K splits (session 31): every GEMM of a few rows took 10 us or more whatever its bytes
 (session 23), the latency of a program's dependent K steps; splits give each program fewer,
-and a second kernel sums the partials. Eight launches, so that the sweep still fits one stage
-with its compiles (each launch compiles once per weight shape)."""
+and a second kernel sums the partials. The wide column tiles with splits (session 44): every
+program reads all its rows' activations over its K range, so narrow tiles read them N /
+block_n times from L2 (the down projection at 50 rows and 16 columns a tile: 39 MB of L2 reads
+for 12.6 MB of weights); 64 or 128 columns read them 4-8x less, and the splits keep a program
+per SM. Eleven launches, so that the sweep still fits one stage with its compiles (each launch
+compiles once per weight shape)."""
 MAX_REL_DIFF = 0.02
 """A swept launch whose output differs from cuBLAS's by more than this (relative to the largest
 magnitude; the default's is bf16 rounding, ~0.4%) is reported and not timed."""

@@ -132,22 +132,31 @@ def main() -> None:
         row["us_per_row"] = round(forward_us / rows, 2)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-    small = [triton_rows(rows, weights, rows_out) for rows in TRITON_ROWS]
+    small: list[dict] = []
+
+    def save() -> None:
+        """The timings so far: a sweep cut short by the stage's time guard still leaves them."""
+        (out / f"bench_gemm{suffix}.json").write_text(
+            json.dumps(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "timer": "graph" if GRAPHS else "host launches",
+                    "peak_tflops": peak,
+                    "rows": rows_out,
+                    "triton_small_m": small,
+                },
+                indent=1,
+            )  # fmt: skip
+        )
+
+    save()
+    for rows in TRITON_ROWS:
+        small.append(triton_rows(rows, weights, rows_out))
+        save()
     # the launch table flashrec_kernels reads for this GPU once copied to
-    # flashrec_kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py)
+    # flashrec_kernels/fp8_gemm_configs/<name>.json (docs/development.md, fp8_gemm_tables.py);
+    # written only from every row count
     (out / f"fp8_gemm_tuned{suffix}.json").write_text(json.dumps(launch_table(small), indent=1))
-    (out / f"bench_gemm{suffix}.json").write_text(
-        json.dumps(
-            {
-                "gpu": torch.cuda.get_device_name(),
-                "timer": "graph" if GRAPHS else "host launches",
-                "peak_tflops": peak,
-                "rows": rows_out,
-                "triton_small_m": small,
-            },
-            indent=1,
-        )  # fmt: skip
-    )
 
 
 TRITON_ROWS = (50, 150, 16, 512)

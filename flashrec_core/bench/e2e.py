@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashrec_core.bench.roofline import floor_seconds, measure_peaks_beside, served_model
+from flashrec_core.bench.roofline import Peaks, floor_seconds, measure_peaks_beside, served_model
 from flashrec_core.bench.workload import RequestSpec, random_catalog, synthetic_requests
 from flashrec_core.engine.requests import GenerationRequest
 
@@ -131,7 +131,8 @@ def bench_engine(
                  for r in results if r.timings is not None]  # fmt: skip
     runner = engine.runner
     ecfg = runner.loaded.engine_config
-    floor = _floor_seconds(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
+    roofline = _roofline(engine, requests, level_sizes) if cuda else None  # no peaks on CPU
+    floor, peaks = roofline if roofline is not None else (None, None)
     graphs, prefill = engine.wave.graphs, engine.wave.prefill_graphs
     # body seeds: warm-up seed + 1 and 2, the measured call seed + 100, the cache fill seed + 200
     # onwards; the traced call's prompts come after the fill's, so they are fresh, not cached
@@ -145,6 +146,7 @@ def bench_engine(
         "requests_per_s": num_requests / seconds,
         "percent_of_roofline": 100 * floor / seconds if floor else None,
         "roofline_requests_per_s": num_requests / floor if floor else None,
+        **(peaks.fields() if peaks is not None else {}),
         # of the measured call, the loop blocked on finished beams: the GPU ahead of the host
         "results_wait_share": waited / seconds,
         "latency_p50_ms": float(np.percentile(latencies, 50)),
@@ -262,14 +264,14 @@ def _single_latencies(engine: Any, spec: RequestSpec, seed: int, runs: int) -> l
     return out
 
 
-def _floor_seconds(
+def _roofline(
     engine: Any, requests: list[GenerationRequest], level_sizes: tuple[int, ...]
-) -> float | None:
-    """The roofline floor of the same requests, as the synthetic bench computes it; None when
-    the card has no room left beside the engine to measure its peaks."""
+) -> tuple[float, Peaks] | None:
+    """The roofline floor of the same requests, as the synthetic bench computes it, and the
+    peaks it rests on; None when the card has no room left beside the engine to measure them."""
     served = served_model(engine)
     peaks = measure_peaks_beside(served.fp8, engine.runner.device, "engine")
     if peaks is None:
         return None
     shapes = [(len(r.prompt_ids), r.n) for r in requests]
-    return floor_seconds(engine.runner.config, served, peaks, shapes, level_sizes)
+    return floor_seconds(engine.runner.config, served, peaks, shapes, level_sizes), peaks

@@ -17,10 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
+
+if TYPE_CHECKING:  # torch-free at import: the load's client processes import this module
+    from flashrec_core.bench.roofline import Peaks, ServedModel
+    from flashrec_core.spec import ModelConfig
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -368,7 +372,7 @@ class ProfileWindow:
 def run_server_bench(
     url: str, prompts: Callable[[int], list[list[int]]], n: int, rates: Sequence[float],
     saturation_concurrency: int, api_key: str | None = None,
-    floor: Callable[[list[list[int]]], float] | None = None, processes: int | None = None,
+    floor: ServerFloor | None = None, processes: int | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None, profile_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Unloaded latency, saturation throughput, then each open-loop rate (a fraction of the
@@ -413,6 +417,7 @@ def run_server_bench(
         sent = prompts(1)
         sat["roofline_requests_per_s"] = len(sent) / floor(sent)
         sat["percent_of_roofline"] = 100 * sat["throughput_rps"] / sat["roofline_requests_per_s"]
+        sat.update(floor.peaks.fields())
     result["saturation"] = sat
     result["open_loop"] = []
     report(result)
@@ -430,9 +435,27 @@ def run_server_bench(
     return result
 
 
+@dataclass(frozen=True)
+class ServerFloor:
+    """The roofline floor of prompts at width n on the served model (`server_floor`); called
+    with prompts, their floor in seconds."""
+
+    config: ModelConfig
+    served: ServedModel
+    peaks: Peaks
+    n: int
+    level_sizes: tuple[int, ...]
+
+    def __call__(self, prompts: list[list[int]]) -> float:
+        from flashrec_core.bench.roofline import floor_seconds
+
+        shapes = [(len(p), self.n) for p in prompts]
+        return floor_seconds(self.config, self.served, self.peaks, shapes, self.level_sizes)
+
+
 def server_floor(
     url: str, api_key: str | None, model_dir: Path, n: int, level_sizes: tuple[int, ...]
-) -> Callable[[list[list[int]]], float] | None:
+) -> ServerFloor | None:
     """The roofline floor of prompts at width n on the served model: its shape from the
     checkpoint's config.json, what it serves with (FP8, cascade, budgets) from the model card,
     the peaks measured on this machine's GPU (the server's, when the load runs beside it).
@@ -441,7 +464,7 @@ def server_floor(
 
     import torch
 
-    from flashrec_core.bench.roofline import ServedModel, floor_seconds, measure_peaks_beside
+    from flashrec_core.bench.roofline import ServedModel, measure_peaks_beside
     from flashrec_core.registry import Registry
 
     if not torch.cuda.is_available():
@@ -454,8 +477,4 @@ def server_floor(
     peaks = measure_peaks_beside(served.fp8, torch.device("cuda"), "server")
     if peaks is None:
         return None
-
-    def floor(prompts: list[list[int]]) -> float:
-        return floor_seconds(cfg, served, peaks, [(len(p), n) for p in prompts], level_sizes)
-
-    return floor
+    return ServerFloor(cfg, served, peaks, n, level_sizes)

@@ -20,6 +20,14 @@ class Peaks:
     gemm_flops: float  # FLOP/s of the GEMM dtype the model uses
     copy_bytes: float  # bytes/s counting read + write
 
+    def fields(self) -> dict[str, float]:
+        """The peaks as every bench output reports them beside its floor: a floor that moves
+        between runs moves with one of them."""
+        return {
+            "peak_gemm_tflops": self.gemm_flops / 1e12,
+            "peak_copy_tb_per_s": self.copy_bytes / 1e12,
+        }
+
 
 def measure_peaks(fp8: bool, device: torch.device, copy_gib: int = 4) -> Peaks:
     """8192^3 GEMM (FP8 row-wise `_scaled_mm` or BF16) and a `copy_gib` GiB device copy, timed

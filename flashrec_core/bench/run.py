@@ -208,8 +208,7 @@ def _roofline(bc: BenchConfig, runner: ModelRunner, waves: list, total_s: float)
         )  # fmt: skip
         floor += cost.floor_seconds
     return {
-        "peak_gemm_tflops": peaks.gemm_flops / 1e12,
-        "peak_copy_tb_per_s": peaks.copy_bytes / 1e12,
+        **peaks.fields(),
         "roofline_requests_per_s": bc.num_requests / floor,
         "percent_of_roofline": 100 * floor / total_s,
     }

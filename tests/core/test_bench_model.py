@@ -67,6 +67,23 @@ def test_the_floor_of_requests_packs_them_into_waves_like_the_engine() -> None:
     assert one == pytest.approx(whole) and one < split
 
 
+def test_the_server_floor_is_the_engine_floor_of_its_prompts_and_reports_its_peaks() -> None:
+    """`flashrec bench --server` prices the prompts it sent as `Engine.generate`'s bench does,
+    and its output carries the peaks beside the floor, under the synthetic bench's names."""
+    from flashrec_core.bench.load import ServerFloor
+
+    cfg, levels = _config(), (8192, 8192, 8192)
+    served = ServedModel(weight_bytes=1.7e9, kv_bytes=1, cascade=True, fp8=True,
+                         max_wave_rows=128, max_requests=1024, kv_slots=1 << 20)  # fmt: skip
+    floor = ServerFloor(cfg, served, PEAKS, 32, levels)
+    prompts = [[7] * 16] * 3 + [[7] * 40] * 5
+    want = floor_seconds(cfg, served, PEAKS, [(16, 32)] * 3 + [(40, 32)] * 5, levels)
+    assert floor(prompts) == pytest.approx(want) and want > 0
+    assert floor.peaks.fields() == pytest.approx(
+        {"peak_gemm_tflops": PEAKS.gemm_flops / 1e12, "peak_copy_tb_per_s": PEAKS.copy_bytes / 1e12}
+    )
+
+
 def test_synthetic_catalog_and_requests() -> None:
     codes = random_catalog((64, 64, 64), 5000, seed=1)
     assert codes.shape == (5000, 3) and len(np.unique(codes, axis=0)) == 5000

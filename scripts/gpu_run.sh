@@ -131,7 +131,8 @@ engine_bench() {
   env "${envs[@]}" timeout "$(left)" flashrec bench --engine "$ck" -n "${spec%:*}" \
     --requests "${spec#*:}" "$@" --out "$out/e2e_engine_n${spec%:*}$tag.json" > "$out/e2e_engine_n${spec%:*}$tag.log" 2>&1
   python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(
-    "{requests} requests: {requests_per_s:.1f} req/s, {percent_of_roofline:.1f}% of floor, p50 "
+    "{requests} requests: {requests_per_s:.1f} req/s, {percent_of_roofline:.1f}% of floor "
+    "({roofline_requests_per_s:.1f} req/s: {peak_gemm_tflops:.0f} TFLOP/s, {peak_copy_tb_per_s:.2f} TB/s), p50 "
     "{latency_p50_ms:.0f} ms; unloaded p50 {single_request_p50_ms:.2f} ms; peak {peak_memory_gib:.1f} "
     "GiB (KV pool {kv_pool_gib:.1f}); waiting for results {results_wait_share:.0%} of the call; "
     "invalid {invalid_results}; graph replays {graph_replays}, eager steps {eager_steps}; "

@@ -69,7 +69,7 @@ def weight_copies(rows: int, cols: int) -> list[tuple[torch.Tensor, torch.Tensor
     make twice the L2 (at least two), so that no graph replay finds its weights in L2."""
     count = 1
     if GRAPHS:
-        l2_bytes = getattr(torch.cuda.get_device_properties(DEV), "L2_cache_size", 64 << 20)
+        l2_bytes = torch.cuda.get_device_properties(DEV).L2_cache_size
         count = max(2, math.ceil(2 * l2_bytes / (rows * cols)))
     return [(_fp8(rows, cols), torch.rand(1, rows, device=DEV) + 0.5) for _ in range(count)]
 

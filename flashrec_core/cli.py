@@ -98,7 +98,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=400)
     bench.add_argument("--catalog-size", type=int, default=1_000_000)
     bench.add_argument("--level-sizes", default="8192,8192,8192")
-    bench.add_argument("--rows-per-wave", type=int, default=8192, help="beam rows per decode wave")
+    bench.add_argument("--rows-per-wave", type=int, default=None,
+                       help="beam rows per decode wave (default 8192; with --engine, generate's "
+                       "--max-wave-rows)")  # fmt: skip
     bench.add_argument("--no-fp8", action="store_true", help="BF16 weights and KV")
     bench.add_argument("--no-graphs", action="store_true",
                        help="eager beam steps (no CUDA graphs); with --engine, no CUDA graphs at all")  # fmt: skip
@@ -611,6 +613,8 @@ def _bench_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         out["prefill_attention"] = args.prefill_attention
     if args.no_graphs:
         out["cuda_graphs"] = False
+    if args.rows_per_wave is not None:
+        out["max_wave_rows"] = args.rows_per_wave
     return out
 
 
@@ -621,11 +625,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     assert level_sizes is not None, "argparse supplies a default"
     if args.write_checkpoint or args.engine or args.server:
         return _bench_e2e(args, level_sizes)
+    rows_per_wave = BenchConfig.rows_per_wave if args.rows_per_wave is None else args.rows_per_wave
     bc = BenchConfig(
         preset=args.preset, config_path=args.config, prompt_len=args.prompt_len,
         shared_prefix=args.shared_prefix, n=args.n, num_requests=args.requests,
         catalog_size=args.catalog_size, level_sizes=level_sizes, fp8=not args.no_fp8,
-        cascade=not args.no_cascade, graphs=not args.no_graphs, rows_per_wave=args.rows_per_wave,
+        cascade=not args.no_cascade, graphs=not args.no_graphs, rows_per_wave=rows_per_wave,
         beam_attention=args.beam_attention, prefill_attention=args.prefill_attention,
         hf_baseline=not args.no_hf_baseline, hf_requests=args.hf_requests, hf_batch=args.hf_batch,
         profile_path=args.profile,

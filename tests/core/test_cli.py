@@ -124,6 +124,19 @@ def test_engine_flags_reach_the_engine_config(flags: tuple[str, ...], expected: 
     assert {k: getattr(cfg, k) for k in fields} == {k: expected[k] for k in fields}
 
 
+@pytest.mark.parametrize(("flags", "rows"), [((), 8192), (("--rows-per-wave", "16384"), 16384)])
+def test_bench_rows_per_wave_sets_both_paths(flags: tuple[str, ...], rows: int) -> None:
+    """`bench --rows-per-wave` bounds the synthetic path's waves and, with --engine, the engine's
+    beam rows a step (generate's --max-wave-rows); not given, both keep their default."""
+    from flashrec_core.bench.run import BenchConfig
+    from flashrec_core.cli import _bench_engine_settings, _build_parser
+    from flashrec_core.config import EngineConfig
+
+    args = _build_parser().parse_args(["bench", "--engine", "/m", *flags])
+    assert EngineConfig(model_path="/m", **_bench_engine_settings(args)).max_wave_rows == rows
+    assert BenchConfig.rows_per_wave == EngineConfig.model_fields["max_wave_rows"].default
+
+
 @pytest.mark.parametrize(
     ("flags", "graphs", "mixed", "tokens"),
     [((), True, True, 0), (("--no-mixed-prefill-steps",), True, False, 0),

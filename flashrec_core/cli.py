@@ -729,9 +729,11 @@ def _phase_line(result: dict[str, Any]) -> str:
         e = result["engine"]
         return (f"n={result['n']} unloaded: p50 {result['single_request_p50_ms']:.1f} ms, "
                 f"p99 {result['single_request_p99_ms']:.1f} ms; mean in the server "
-                f"{e['server_latency_mean_ms']:.1f} ms (queue {e['queue_mean_ms']:.1f}, prefill "
-                f"{e['prefill_mean_ms']:.1f}, decode {e['decode_mean_ms']:.1f}); the client's "
-                f"JSON parse {result.get('client_parse_mean_ms') or 0:.1f} ms")  # fmt: skip
+                f"{e['server_latency_mean_ms']:.1f} ms (intake {e['intake_mean_ms']:.2f}, queue "
+                f"{e['queue_mean_ms']:.1f}, prefill {e['prefill_mean_ms']:.1f}, decode "
+                f"{e['decode_mean_ms']:.1f}, shaping {e['shaping_mean_ms']:.2f}, handoff "
+                f"{e['handoff_mean_ms']:.2f}); the client's JSON parse "
+                f"{result.get('client_parse_mean_ms') or 0:.1f} ms")  # fmt: skip
     engine = run.get("engine", {})
     return (
         f"n={result['n']} {head}: {run['throughput_rps']:.1f} req/s, p50 "

@@ -251,6 +251,8 @@ _ENGINE_TOTALS = (
     "flashrec_request_stage_seconds_sum{stage=queue}",
     "flashrec_request_stage_seconds_sum{stage=prefill}",
     "flashrec_request_stage_seconds_sum{stage=decode}",
+    "flashrec_request_stage_seconds_sum{stage=intake}",
+    "flashrec_request_stage_seconds_sum{stage=shaping}",
     "flashrec_event_loop_lag_seconds_sum", "flashrec_event_loop_lag_seconds_count",
     "flashrec_event_loop_lag_seconds_bucket{le=0.01}",
     "flashrec_engine_admission_retries_total{reason=kv_slots}",
@@ -273,8 +275,12 @@ def _engine_totals(url: str, api_key: str | None) -> dict[str, float]:
 def _engine_view(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
     """What the server did during a run: mean wave size, the engine thread's utilization and
     iteration time, and per request the server's own latency (first byte in to response out)
-    split into queue, prefill and decode; the rest of the server's latency is HTTP, parsing and
-    response building, the rest of the client's is the network and the client itself."""
+    split into the HTTP side's intake (body, validation, tokenizing) and shaping (choices, JSON)
+    around the engine's queue, prefill and decode. The rest of the server's latency, `handoff`,
+    is getting the request to the engine and its result back (with an engine process, the pipe
+    both ways and the wake-ups of the threads that read it), and before the intake the ASGI
+    stack; the rest of the client's is the network and the client itself. A server from before
+    the intake and shaping stages reports 0 for both, and they count in the handoff."""
     e, m, tail = "flashrec_engine_", "flashrec_request_", "_total"
     d = {k.removeprefix(e).removesuffix(tail): after[k] - before[k] for k in _ENGINE_TOTALS}
     waves, iters = max(d["waves_admitted"], 1), max(d["iterations"], 1)
@@ -285,6 +291,9 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
     def per_request_ms(key: str) -> float:
         return 1e3 * d[key] / answered
 
+    server_ms = per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}")
+    stages_ms = {f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
+                 for stage in ("intake", "queue", "prefill", "decode", "shaping")}  # fmt: skip
     return {
         "waves": int(d["waves_admitted"]),
         "mean_requests_per_wave": d["requests_admitted"] / waves,
@@ -306,9 +315,9 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
         "engine_process_other_cpu_ms_per_request":
             1e3 * own * (d["side_cpu_seconds"] - d["cpu_seconds"]) / answered,
         "own_process": bool(own),
-        "server_latency_mean_ms": per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}"),
-        **{f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
-           for stage in ("queue", "prefill", "decode")},
+        "server_latency_mean_ms": server_ms,
+        **stages_ms,
+        "handoff_mean_ms": server_ms - sum(stages_ms.values()),
         "event_loop_lag_mean_ms": 1e3 * d["flashrec_event_loop_lag_seconds_sum"] / probes,
         "event_loop_lag_over_10ms": 1 - d["flashrec_event_loop_lag_seconds_bucket{le=0.01}"] / probes,
         **{f"admission_retries_{why}": int(d[f"admission_retries_total{{reason={why}}}"])

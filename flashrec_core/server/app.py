@@ -223,8 +223,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             why = state.warmup_error or "the engine is warming up"
             raise APIError(503, why, None, "not_ready", {"Retry-After": "1"})
 
-    async def generate(body: Any, request: Request, translate: Any) -> list[GenerationResult]:
-        """The shared part of both generation routes: checks, tokenize, run, metrics."""
+    async def generate(
+        body: Any, request: Request, translate: Any
+    ) -> tuple[list[GenerationResult], float]:
+        """The shared part of both generation routes: checks, tokenize, run, metrics. Returns
+        the results and when they reached the route (`shaped` observes the time after it)."""
         check_model(body.model)
         check_serving()
         if _translate_inline(request, body):
@@ -235,33 +238,43 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.metrics.filtered.inc(len(filters))
         state.metrics.filtered_sids.inc(sum(f.num_closed for f in filters))
         timeout = body.timeout or defaults.timeout_s
+        submitted = time.perf_counter()
         results = await _run_requests(engine, request, gens, timeout)
+        returned = time.perf_counter()
+        state.metrics.observe_stage("intake", submitted - request.state.received_at)
         for r in results:
             state.metrics.observe_stages(r.timings)
-        return results
+        return results, returned
+
+    def shaped(response: Response, returned: float) -> Response:
+        """`response`, its shaping time observed (a stream's chunks are encoded as sent)."""
+        state.metrics.observe_stage("shaping", time.perf_counter() - returned)
+        return response
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAMED,
               dependencies=guard)  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        [result] = await generate(body, request, lambda e, b, d: [chat_request(e, b, d)])
+        [result], returned = await generate(body, request, lambda e, b, d: [chat_request(e, b, d)])
         shaping = responses.Shaping.of(body, result.requested)
         payload = responses.chat_completion(
             responses.new_id("chatcmpl"), settings.model_name, result, shaping
         )
         state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
-        return _sse(responses.chat_stream_chunks(payload)) if body.stream else JSON(payload)
+        response = _sse(responses.chat_stream_chunks(payload)) if body.stream else JSON(payload)
+        return shaped(response, returned)
 
     @app.post("/v1/completions", response_model=Completion, responses=STREAMED,
               dependencies=guard)  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        results = await generate(body, request, completion_requests)
+        results, returned = await generate(body, request, completion_requests)
         shaping = responses.Shaping.of(body, results[0].requested)
         payload = responses.completion(
             responses.new_id("cmpl"), settings.model_name, results, shaping
         )
         state.metrics.deduplicated.inc(payload["flashrec"].get("deduplicated_items", 0))
         stream = body.stream
-        return _sse(responses.completion_stream_chunks(payload)) if stream else JSON(payload)
+        response = _sse(responses.completion_stream_chunks(payload)) if stream else JSON(payload)
+        return shaped(response, returned)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]},
              dependencies=guard)  # fmt: skip

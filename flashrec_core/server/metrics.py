@@ -204,7 +204,9 @@ class ServerMetrics:
         )  # fmt: skip
         self.stage = Histogram(
             "flashrec_request_stage_seconds",
-            "time per request stage: queue, prefill (with first selection), decode (beam steps)",
+            "time per request stage: intake (the HTTP side, arrival to the engine), queue, "
+            "prefill (with first selection), decode (beam steps), shaping (the HTTP side, "
+            "result to response body)",
             ["stage"], buckets=_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.event_loop_lag = Histogram(
@@ -246,6 +248,12 @@ class ServerMetrics:
         self._child(self.stage, "queue").observe(timings.queue_s)
         self._child(self.stage, "prefill").observe(timings.prefill_s)
         self._child(self.stage, "decode").observe(timings.decode_s)
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """One of the HTTP side's stages of an answered request: "intake" (its arrival to its
+        submission: body, validation, chat template, tokenizing) or "shaping" (its engine
+        result reaching the route to the response body built: choices, items, JSON)."""
+        self._child(self.stage, stage).observe(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once: `labels()` takes a lock and checks its

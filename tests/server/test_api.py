@@ -134,6 +134,35 @@ def test_request_id_is_echoed(server: ServerProcess, auth: dict[str, str]) -> No
     assert r.headers["x-request-id"] == "abc-123"
 
 
+STAGES = ("intake", "queue", "prefill", "decode", "shaping")
+
+
+def test_request_stages_split_the_server_latency(
+    server: ServerProcess, auth: dict[str, str]
+) -> None:
+    """Each answered generation request records the HTTP side's intake and shaping around the
+    engine's queue, prefill and decode: five disjoint intervals inside the request's latency, so
+    their sums over a few requests (chat, a stream, a completion) stay under the latencies'."""
+    before = read_metrics(server.url)
+    chat = "/v1/chat/completions"
+    bodies = [(chat, _chat(n=2)), (chat, _chat(n=3, stream=True)),
+              ("/v1/completions", {"prompt": PROMPT, "n": 2})]  # fmt: skip
+    for path, body in bodies:
+        assert _post(server, path, body, auth).status_code == 200
+    after = read_metrics(server.url)
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    stage = "flashrec_request_stage_seconds_{}{{stage={}}}"
+    assert [grew(stage.format("count", s)) for s in STAGES] == [len(bodies)] * len(STAGES)
+    spent = {s: grew(stage.format("sum", s)) for s in STAGES}
+    assert all(seconds > 0 for seconds in spent.values()), spent
+    latency = sum(grew(f"flashrec_request_latency_seconds_sum{{endpoint={path}}}")
+                  for path in ("/v1/chat/completions", "/v1/completions"))  # fmt: skip
+    assert sum(spent.values()) < latency, (spent, latency)
+
+
 def _post(
     server: ServerProcess, path: str, body: object, headers: dict[str, str]
 ) -> httpx.Response:

@@ -111,6 +111,12 @@ def test_models_health_ready_metrics_in_one_process(one_process: ServerProcess) 
         one_process.engine_pid()
 
 
+def test_request_stages_split_the_server_latency_in_one_process(
+    one_process: ServerProcess,
+) -> None:
+    test_api.test_request_stages_split_the_server_latency(one_process, HEADERS)
+
+
 def test_the_default_runs_the_engine_in_a_process_of_its_own(server: ServerProcess) -> None:
     assert read_metrics(server.url)["flashrec_engine_own_process"] == 1
     assert server.engine_pid() in server.children()

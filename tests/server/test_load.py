@@ -273,6 +273,12 @@ def test_bench_server_command_reports_each_phase(
     assert "; the client's JSON parse " in phases[0]
     result = json.loads(out.read_text())
     assert 0 < result["client_parse_mean_ms"] < result["single_request_p50_ms"]
+    # the unloaded requests' server latency: five stages and the handoff between them
+    alone = result["engine"]
+    stages = [alone[f"{s}_mean_ms"] for s in ("intake", "queue", "prefill", "decode", "shaping")]
+    assert all(ms > 0 for ms in stages) and alone["handoff_mean_ms"] > 0, alone
+    assert alone["handoff_mean_ms"] == pytest.approx(alone["server_latency_mean_ms"] - sum(stages))
+    assert ", shaping " in phases[0] and ", handoff " in phases[0]
     assert result["saturation"]["steady_state"] is False
     assert result["saturation"]["sent"] == 6 and result["saturation"]["errors"] == 0
     assert result["saturation"]["client_processes"] == 2

@@ -277,10 +277,10 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
     iteration time, and per request the server's own latency (first byte in to response out)
     split into the HTTP side's intake (body, validation, tokenizing) and shaping (choices, JSON)
     around the engine's queue, prefill and decode. The rest of the server's latency, `handoff`,
-    is getting the request to the engine and its result back (with an engine process, the pipe
-    both ways and the wake-ups of the threads that read it), and before the intake the ASGI
-    stack; the rest of the client's is the network and the client itself. A server from before
-    the intake and shaping stages reports 0 for both, and they count in the handoff."""
+    is getting the request to the engine and its result back to the route (with an engine
+    process, the pipe both ways and the wake-ups of the threads that read it) and sending the
+    response; the rest of the client's is the network and the client itself. A server from
+    before the intake and shaping stages reports 0 for both, and they count in the handoff."""
     e, m, tail = "flashrec_engine_", "flashrec_request_", "_total"
     d = {k.removeprefix(e).removesuffix(tail): after[k] - before[k] for k in _ENGINE_TOTALS}
     waves, iters = max(d["waves_admitted"], 1), max(d["iterations"], 1)

@@ -240,6 +240,8 @@ def unloaded(
             "seconds": out["seconds"]}  # fmt: skip
 
 
+_STAGES = ("intake", "queue", "prefill", "decode", "shaping")
+"""The server's request stages (`flashrec_request_stage_seconds`), in a request's order."""
 _ENGINE_TOTALS = (
     "flashrec_engine_iterations_total", "flashrec_engine_waves_admitted_total",
     "flashrec_engine_requests_admitted_total", "flashrec_engine_busy_seconds_total",
@@ -248,11 +250,7 @@ _ENGINE_TOTALS = (
     "flashrec_engine_own_process",
     "flashrec_request_latency_seconds_sum{endpoint=/v1/completions}",
     "flashrec_request_latency_seconds_count{endpoint=/v1/completions}",
-    "flashrec_request_stage_seconds_sum{stage=queue}",
-    "flashrec_request_stage_seconds_sum{stage=prefill}",
-    "flashrec_request_stage_seconds_sum{stage=decode}",
-    "flashrec_request_stage_seconds_sum{stage=intake}",
-    "flashrec_request_stage_seconds_sum{stage=shaping}",
+    *(f"flashrec_request_stage_seconds_sum{{stage={stage}}}" for stage in _STAGES),
     "flashrec_event_loop_lag_seconds_sum", "flashrec_event_loop_lag_seconds_count",
     "flashrec_event_loop_lag_seconds_bucket{le=0.01}",
     "flashrec_engine_admission_retries_total{reason=kv_slots}",
@@ -293,7 +291,7 @@ def _engine_view(before: dict[str, float], after: dict[str, float], seconds: flo
 
     server_ms = per_request_ms(f"{m}latency_seconds_sum{{endpoint=/v1/completions}}")
     stages_ms = {f"{stage}_mean_ms": per_request_ms(f"{m}stage_seconds_sum{{stage={stage}}}")
-                 for stage in ("intake", "queue", "prefill", "decode", "shaping")}  # fmt: skip
+                 for stage in _STAGES}  # fmt: skip
     return {
         "waves": int(d["waves_admitted"]),
         "mean_requests_per_wave": d["requests_admitted"] / waves,

@@ -245,14 +245,15 @@ class ServerMetrics:
     def observe_stages(self, timings: RequestTimings | None) -> None:
         if timings is None:
             return
-        self._child(self.stage, "queue").observe(timings.queue_s)
-        self._child(self.stage, "prefill").observe(timings.prefill_s)
-        self._child(self.stage, "decode").observe(timings.decode_s)
+        self.observe_stage("queue", timings.queue_s)
+        self.observe_stage("prefill", timings.prefill_s)
+        self.observe_stage("decode", timings.decode_s)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
-        """One of the HTTP side's stages of an answered request: "intake" (its arrival to its
-        submission: body, validation, chat template, tokenizing) or "shaping" (its engine
-        result reaching the route to the response body built: choices, items, JSON)."""
+        """One stage of an answered request: the engine's (`observe_stages`), or the HTTP
+        side's "intake" (its arrival to its submission: body, validation, chat template,
+        tokenizing) or "shaping" (its engine result reaching the route to the response body
+        built: choices, items, JSON)."""
         self._child(self.stage, stage).observe(seconds)
 
     def _child(self, metric: Any, *labels: str) -> Any:

@@ -1,4 +1,4 @@
-"""`flashrec` command line: models, generate, demo, catalog convert, recipe, eval.
+"""`flashrec` command line: models, generate, serve, bench, demo, recipe, eval, catalog convert.
 
 Heavy imports (torch, transformers) happen inside the commands that need them, so
 `flashrec models` stays fast and works without torch.
@@ -89,15 +89,20 @@ def _build_parser() -> argparse.ArgumentParser:
     _defaults_from_settings(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="offline throughput benchmark (CUDA)")
+    bench = sub.add_parser(
+        "bench", help="throughput and latency: the synthetic wave path (CUDA), --engine, --server"
+    )
     bench.add_argument("--preset", default=None, help="model shape preset offered by a plugin")
     bench.add_argument("--config", default=None, help="config.json giving the model shape instead")
-    bench.add_argument("--prompt-len", type=int, default=1024)
-    bench.add_argument("--shared-prefix", type=int, default=64)
+    bench.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens a request")
+    bench.add_argument("--shared-prefix", type=int, default=64,
+                       help="leading prompt tokens every request shares")  # fmt: skip
     bench.add_argument("-n", type=int, default=50, help="beam width")
-    bench.add_argument("--requests", type=int, default=400)
-    bench.add_argument("--catalog-size", type=int, default=1_000_000)
-    bench.add_argument("--level-sizes", default="8192,8192,8192")
+    bench.add_argument("--requests", type=int, default=400, help="requests timed")
+    bench.add_argument("--catalog-size", type=int, default=1_000_000,
+                       help="items of the random catalog")  # fmt: skip
+    bench.add_argument("--level-sizes", default="8192,8192,8192",
+                       help="codebook size of each SID level, comma-separated")  # fmt: skip
     bench.add_argument("--rows-per-wave", type=int, default=None,
                        help="beam rows per decode wave (default 8192; with --engine, generate's "
                        "--max-wave-rows)")  # fmt: skip
@@ -105,9 +110,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-graphs", action="store_true",
                        help="eager beam steps (no CUDA graphs); with --engine, no CUDA graphs at all")  # fmt: skip
     add_beam_attention_args(bench)
-    bench.add_argument("--no-hf-baseline", action="store_true")
-    bench.add_argument("--hf-requests", type=int, default=8)
-    bench.add_argument("--hf-batch", type=int, default=4)
+    bench.add_argument("--no-hf-baseline", action="store_true",
+                       help="skip the HF transformers beam-search baseline")  # fmt: skip
+    bench.add_argument("--hf-requests", type=int, default=8, help="requests the baseline times")
+    bench.add_argument("--hf-batch", type=int, default=4, help="the baseline's requests a batch")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument(
         "--profile", default=None, help="write a torch.profiler table of one wave here"
@@ -124,7 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--client-processes", type=int, default=None,
                      help="with --server: client processes sending the load (default: one per "
                      "32 concurrent requests, at most half the cores)")  # fmt: skip
-    e2e.add_argument("--api-key", default=None)
+    e2e.add_argument("--api-key", default=None, help="with --server: its API key, if it has one")
     e2e.add_argument("--profile-seconds", type=float, default=0.0, metavar="S",
                      help="with --server: a torch.profiler window of S seconds during each "
                      "open-loop rate (needs serve --torch-profile-dir); its loop summary is "

@@ -77,8 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="with --input: write one response per line here")
     gen.add_argument("-n", type=int, default=10, help="beam width = number of ranked items")
     gen.add_argument("--max-tokens", type=int, default=None, help="must be >= the SID depth")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0: beam search; > 0: Gumbel top-k sampling at this temperature")  # fmt: skip
+    gen.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampling (--temperature > 0)"
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=cmd_generate)
 
@@ -169,7 +172,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", default=None, help="architecture (default: first installed)")
     demo.add_argument("--items", type=int, default=1000, help="catalog size")
     demo.add_argument("--level-sizes", default="32,32,32", help="codebook sizes per level")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and the catalog")
     demo.set_defaults(func=cmd_demo)
 
     add_recipe_commands(sub)
@@ -208,15 +211,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint directory (default: the embedded model with its catalog)",
     )  # fmt: skip
     p.add_argument("--arch", default=None, help="override config.json's architectures")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
-    p.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when torch sees one")  # fmt: skip
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
+    p.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto",
+                   help="fp8: W8A8 linears (auto: fp8 on CUDA or with a quantization_config)")  # fmt: skip
     p.add_argument(
         "--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32", "fp8_e4m3"],
-        default="auto",
+        default="auto", help="KV pool dtype (auto: fp8_e4m3 on CUDA with FP8, else --dtype's)",
     )  # fmt: skip
-    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto")
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="auto: flashinfer on CUDA where it is installed, else torch")  # fmt: skip
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV pool size in token slots (default: from --mem-fraction on CUDA, "
+                   "65,536 on CPU; docs/generate.md)")  # fmt: skip
     p.add_argument(
         "--mem-fraction", type=float, default=_MEM_FRACTION,
         help="the KV pool's share of the GPU memory free after the weights",
@@ -298,13 +307,18 @@ def add_search_args(p: argparse.ArgumentParser, named_catalogs: bool = False) ->
         )  # fmt: skip
     else:
         p.add_argument("--catalog", default=None, help="catalog file (.json/.csv/.tsv)")
-    p.add_argument("--sid-normalization", choices=["level", "sid"], default="level")
-    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--sid-normalization", choices=["level", "sid"], default="level",
+                   help="a step's log-softmax over its level's codes, or over every SID token "
+                   "(docs/sid-and-catalogs.md)")  # fmt: skip
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="score = logprob / depth ** P")  # fmt: skip
     p.add_argument(
         "--sid-level-sizes", default=None, help="explicit codebook sizes, e.g. 256,256,256"
     )
-    p.add_argument("--sid-depth", type=int, default=None)
-    p.add_argument("--trie", choices=["auto", "dense", "csr"], default="auto")
+    p.add_argument("--sid-depth", type=int, default=None,
+                   help="use the first D codebook levels (default: all the tokenizer's)")  # fmt: skip
+    p.add_argument("--trie", choices=["auto", "dense", "csr"], default="auto",
+                   help="catalog trie layout (auto: dense while its tables fit 64 MiB, else csr)")  # fmt: skip
 
 
 def _int_list(text: str | None) -> tuple[int, ...] | None:

@@ -19,21 +19,22 @@ def add_recipe_commands(sub: Any) -> None:
     _add_build(rsub.add_parser("build", help="interaction log -> SIDs -> trained checkpoint"))
     synth = rsub.add_parser("synth", help="write the built-in synthetic log as CSV files")
     synth.add_argument("out", help="directory for interactions.csv and items.csv")
-    synth.add_argument("--users", type=int, default=2000)
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--users", type=int, default=2000, help="users to simulate")
+    synth.add_argument("--seed", type=int, default=0, help="seed of the simulation")
     synth.set_defaults(func=cmd_synth)
 
     ev = sub.add_parser("eval", help="recall/NDCG of a model through the engine vs baselines")
     add_engine_args(ev)
     add_search_args(ev)
     _add_log_args(ev, defaults=False)
-    ev.add_argument("--split", choices=["test", "valid"], default="test")
+    ev.add_argument("--split", choices=["test", "valid"], default="test",
+                    help="held-out item scored: each user's last (test) or second-to-last")  # fmt: skip
     ev.add_argument("-n", type=int, default=20, help="beam width (>= 20, the largest cutoff)")
     ev.add_argument("--max-history", type=int, default=None, help="default: recipe.json's")
     ev.add_argument("--max-users", type=int, default=None, help="evaluate the first N users")
     ev.add_argument("--batch", type=int, default=256, help="requests per engine.generate call")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
-    ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -44,10 +45,11 @@ def _add_log_args(p: argparse.ArgumentParser, defaults: bool) -> None:
         return value if defaults else None
 
     p.add_argument("--interactions", default=None, help="interaction log (CSV/TSV/MovieLens)")
-    p.add_argument("--format", choices=["auto", "csv", "tsv", "movielens"], default=d("auto"))
-    p.add_argument("--user-col", default=d("user_id"))
-    p.add_argument("--item-col", default=d("item_id"))
-    p.add_argument("--time-col", default=d("timestamp"))
+    p.add_argument("--format", choices=["auto", "csv", "tsv", "movielens"], default=d("auto"),
+                   help="the log's reader (auto: from the file, docs/recipe.md)")  # fmt: skip
+    p.add_argument("--user-col", default=d("user_id"), help="user id column")
+    p.add_argument("--item-col", default=d("item_id"), help="item id column")
+    p.add_argument("--time-col", default=d("timestamp"), help="time column (orders each history)")
     p.add_argument("--rating-col", default=None, help="column compared with --min-rating")
     p.add_argument("--min-rating", type=float, default=None, help="drop rows rated below")
     p.add_argument("--items", default=None, help="item metadata CSV/TSV (item_id,title,...)")
@@ -58,32 +60,34 @@ def _add_build(b: argparse.ArgumentParser) -> None:
 
     _add_log_args(b, defaults=True)
     b.add_argument("--synthetic", action="store_true", help="use the built-in synthetic log")
-    b.add_argument("--synthetic-users", type=int, default=2000)
-    b.add_argument("--synthetic-seed", type=int, default=0)
+    b.add_argument("--synthetic-users", type=int, default=2000, help="users of --synthetic")
+    b.add_argument("--synthetic-seed", type=int, default=0, help="seed of --synthetic")
     b.add_argument("--out", required=True, help="checkpoint directory to write")
     b.add_argument("--arch", default=None, help="default: the plugin marked recipe_default")
     b.add_argument("--embeddings", default="cooc", help="cooc, mf, or FILE.npy")
     b.add_argument("--embedding-ids", default=None, help="with FILE.npy: item id per row")
-    b.add_argument("--embedding-dim", type=int, default=32)
+    b.add_argument("--embedding-dim", type=int, default=32, help="item vector size (cooc, mf)")
     b.add_argument("--window", type=int, default=5, help="co-occurrence window (cooc)")
     b.add_argument("--levels", type=int, default=3, help="SID levels L")
     b.add_argument("--codebook-size", type=int, default=16, help="codes per level K")
-    b.add_argument("--collision", choices=["auto", "reassign", "extra-level"], default="auto")
+    b.add_argument("--collision", choices=["auto", "reassign", "extra-level"], default="auto",
+                   help="items sharing a SID: move them to free codes, or add a level (auto: "
+                   "reassign where every prefix has room)")  # fmt: skip
     b.add_argument("--max-history", type=int, default=20, help="items per prompt")
     shape = ModelShape()
     for flag, default in (("hidden-size", shape.hidden_size), ("layers", shape.num_layers),
                           ("heads", shape.num_heads), ("kv-heads", shape.num_kv_heads),
                           ("head-dim", shape.head_dim),
                           ("intermediate-size", shape.intermediate_size)):  # fmt: skip
-        b.add_argument(f"--{flag}", type=int, default=default)
-    b.add_argument("--epochs", type=int, default=8)
-    b.add_argument("--batch-size", type=int, default=128)
-    b.add_argument("--lr", type=float, default=3e-3)
-    b.add_argument("--weight-decay", type=float, default=0.01)
-    b.add_argument("--warmup-steps", type=int, default=100)
-    b.add_argument("--seed", type=int, default=0)
+        b.add_argument(f"--{flag}", type=int, default=default, help="model shape")
+    b.add_argument("--epochs", type=int, default=8, help="training passes over the examples")
+    b.add_argument("--batch-size", type=int, default=128, help="examples a training step")
+    b.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
+    b.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    b.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up")
+    b.add_argument("--seed", type=int, default=0, help="seed of k-means, weights and batches")
     b.add_argument("--threads", type=int, default=1, help="torch threads (bit-exact per count)")
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.add_argument("-v", "--verbose", action="store_true", help="log each stage")
     b.set_defaults(func=cmd_build)
 

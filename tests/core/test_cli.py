@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from flashrec_core.cli import main
+from flashrec_core.cli import _build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,21 @@ def test_bench_engine_takes_graphs_and_mixed_prefills(
     args = _build_parser().parse_args(["generate", "--prompt", "w1", "--model-path", "/m", *gen])
     cfg = EngineConfig(**engine_fields(args))
     assert (cfg.mixed_prefill_steps, cfg.mixed_prefill_tokens) == (mixed, tokens)
+
+
+def _options(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.Action]]:
+    """(command path, action) of every option of `parser` and its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif action.option_strings:
+            yield path, action
+
+
+def test_every_flag_says_what_it_does() -> None:
+    """`--help` is the first documentation a user reads: no option may show up there bare."""
+    options = list(_options(_build_parser(), "flashrec"))
+    assert len(options) > 100  # the walk reached the subcommands
+    bare = [f"{path} {a.option_strings[-1]}" for path, a in options if not a.help]
+    assert not bare, f"options without a help text: {bare}"
